@@ -1,0 +1,17 @@
+"""Qwen3 / Qwen3-MoE policy models and Hugging Face interop."""
+
+# Configuration
+from ulorl_jax.models.config import ConfigError, ModelConfig, tiny_config
+
+# Model
+from ulorl_jax.models.qwen3 import ForwardOutput, KVCache, Qwen3ForCausalLM, init_model
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "tiny_config",
+    "ForwardOutput",
+    "KVCache",
+    "Qwen3ForCausalLM",
+    "init_model",
+]

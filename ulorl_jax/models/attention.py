@@ -1,0 +1,105 @@
+"""Attention implementations the model can call, selected by `attention_impl`.
+
+Every implementation takes q [B, Tq, Hq, D], k / v [B, Tk, Hkv, D] (GQA: Hq is
+a multiple of Hkv, K/V are never repeated in memory) and an `AttentionMask`,
+and returns [B, Tq, Hq, D].
+
+- `xla`: plain einsum + masked softmax in float32; the reference.
+- `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
+- `pallas`: the kernels in `ulorl_jax.kernels` (training forward; the decode
+  path falls back to `xla` until the decode kernel is wired in).
+
+A backend that cannot serve a call falls back to `xla` and logs why, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMask:
+    """Who may attend to whom.
+
+    A query (b, t) may attend to key (b, s) iff their segment ids are equal and
+    `s <= q_index[b, t]` (causal in cache order). Segment id 0 marks padding
+    (and empty cache slots); padded queries only see padding, so their rows
+    stay finite and are ignored downstream.
+    """
+
+    q_segment_ids: jnp.ndarray  # [B, Tq] int32
+    kv_segment_ids: jnp.ndarray  # [B, Tk] int32
+    q_index: jnp.ndarray  # [B, Tq] int32: the query's own slot in the key axis
+    is_self_attention: bool = True  # keys are exactly the queries (no cache)
+
+    def dense(self) -> jnp.ndarray:
+        """Boolean mask [B, Tq, Tk]."""
+        tk = self.kv_segment_ids.shape[1]
+        same_segment = self.q_segment_ids[:, :, None] == self.kv_segment_ids[:, None, :]
+        causal = jnp.arange(tk, dtype=jnp.int32)[None, None, :] <= self.q_index[:, :, None]
+        return same_segment & causal
+
+
+AttentionFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, AttentionMask], jnp.ndarray]
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, tq, hkv, hq // hkv, d)  # [B, T, K, G, D]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    allowed = mask.dense()[:, None, None, :, :]  # [B, 1, 1, T, S]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, tq, hq, d)
+
+
+def cudnn_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
+    if jax.default_backend() != "gpu":
+        _warn_once("cudnn-platform", f"attention_impl=cudnn needs a GPU (backend is {jax.default_backend()}); using xla")
+        return xla_attention(q, k, v, mask)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], implementation="cudnn")
+
+
+def pallas_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
+    if not mask.is_self_attention:
+        _warn_once("pallas-decode", "attention_impl=pallas: KV-cache decode path not wired to a kernel yet; using xla")
+        return xla_attention(q, k, v, mask)
+    try:
+        from ulorl_jax import kernels
+    except ImportError as err:  # pragma: no cover - depends on the install
+        _warn_once("pallas-import", f"attention_impl=pallas unavailable ({err}); using xla")
+        return xla_attention(q, k, v, mask)
+    if not hasattr(kernels, "attention"):
+        _warn_once("pallas-missing", "attention_impl=pallas: ulorl_jax.kernels has no attention(); using xla")
+        return xla_attention(q, k, v, mask)
+    return kernels.attention(q, k, v, causal=True, segment_ids=mask.q_segment_ids, impl="pallas")
+
+
+_IMPLS: dict[str, AttentionFn] = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention}
+
+
+def register_attention_impl(name: str, fn: AttentionFn) -> None:
+    """Plug in another attention backend under `attention_impl=name`."""
+    _IMPLS[name] = fn
+
+
+def get_attention_impl(name: str) -> AttentionFn:
+    if name not in _IMPLS:
+        raise ValueError(f"attention_impl={name!r} is not registered; available: {sorted(_IMPLS)}")
+    return _IMPLS[name]

@@ -1,0 +1,114 @@
+"""Qwen3-MoE sparse block: router, dropless experts, load-balancing loss.
+
+Router (same as transformers' Qwen3MoeTopKRouter): logits = x @ W_r, softmax
+in float32, top-k, optional renormalisation of the k weights (norm_topk_prob).
+
+Experts are dropless: every (token, expert) assignment is computed.
+- `ragged`: assignments sorted by expert and multiplied with
+  `jax.lax.ragged_dot` (a grouped matmul; no capacity, no padding per expert).
+- `dense`: every expert on every token, weighted by a [N, E] combine matrix.
+  Slow; kept as the reference the grouped path is tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ulorl_jax.models.config import ModelConfig, resolve_dtype
+
+
+def route(x: jnp.ndarray, router_w: jnp.ndarray, top_k: int, norm_topk_prob: bool):
+    """x [N, D], router_w [D, E] -> (router_logits [N, E], weights [N, K], experts [N, K])."""
+    router_logits = x @ router_w.astype(x.dtype)  # 'nd,de->ne'
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return router_logits, weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def experts_ragged(x, weights, experts, w_gate, w_up, w_down) -> jnp.ndarray:
+    """Grouped-matmul experts. x [N, D]; weights / experts [N, K];
+    w_gate / w_up [E, D, F]; w_down [E, F, D] -> [N, D]."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    flat_experts = experts.reshape(-1)  # [N*K], row-major over (n, k)
+    order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
+    x_sorted = x[order // k]  # [N*K, D]
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
+    gate = jax.lax.ragged_dot(x_sorted, w_gate.astype(x.dtype), group_sizes)  # [N*K, F]
+    up = jax.lax.ragged_dot(x_sorted, w_up.astype(x.dtype), group_sizes)
+    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), group_sizes)  # [N*K, D]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)  # back to (n, k) order
+    return jnp.einsum("nkd,nk->nd", y, weights)
+
+
+def experts_dense(x, weights, experts, w_gate, w_up, w_down) -> jnp.ndarray:
+    """Reference: all experts on all tokens, combined with a [N, E] weight matrix."""
+    n = x.shape[0]
+    combine = jnp.zeros((n, w_gate.shape[0]), x.dtype).at[jnp.arange(n)[:, None], experts].add(weights)
+    gate = jnp.einsum("nd,edf->nef", x, w_gate.astype(x.dtype))
+    up = jnp.einsum("nd,edf->nef", x, w_up.astype(x.dtype))
+    y = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, w_down.astype(x.dtype))
+    return jnp.einsum("ned,ne->nd", y, combine)
+
+
+def _experts_pallas(*args):  # resolved lazily so the kernels package stays optional
+    from ulorl_jax.models.attention import _warn_once
+
+    try:
+        from ulorl_jax.kernels import grouped_matmul_experts
+    except ImportError:
+        _warn_once("moe-pallas", "moe_impl=pallas: no Pallas grouped matmul available yet; using ragged_dot")
+        return experts_ragged(*args)
+    return grouped_matmul_experts(*args)
+
+
+EXPERT_FNS = {"ragged": experts_ragged, "dense": experts_dense, "pallas": _experts_pallas}
+
+
+def load_balancing_loss(router_logits: list[jnp.ndarray], num_experts: int, top_k: int,
+                        token_mask: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Switch-Transformer auxiliary loss, pooled over all MoE layers as transformers does.
+
+    router_logits: one [N, E] array per MoE layer; token_mask [N] (1 = real token).
+    loss = E * sum_e (fraction of assignments to e) * (mean router prob of e).
+    """
+    count = jnp.zeros((num_experts,), jnp.float32)
+    prob = jnp.zeros((num_experts,), jnp.float32)
+    rows = jnp.zeros((), jnp.float32)
+    for logits in router_logits:
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, E]
+        _, chosen = jax.lax.top_k(probs, top_k)  # [N, K]
+        m = jnp.ones(probs.shape[0], jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+        count = count + jnp.zeros((num_experts,), jnp.float32).at[chosen.reshape(-1)].add(jnp.repeat(m, top_k))
+        prob = prob + jnp.sum(probs * m[:, None], axis=0)
+        rows = rows + jnp.sum(m)
+    return num_experts * jnp.sum((count / rows) * (prob / rows))
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router + experts. Parameters (logical axes in brackets):
+    router.kernel [embed, router_experts]; experts.{gate, up} [experts, embed, expert_mlp];
+    experts.down [experts, expert_mlp, embed]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        pdtype = resolve_dtype(config.param_dtype)
+        init = nnx.initializers.normal(0.02)
+        self.config = config
+        self.router = nnx.Param(init(rngs.params(), (d, e), pdtype), logical_axes=("embed", None))
+        self.gate = nnx.Param(init(rngs.params(), (e, d, f), pdtype), logical_axes=("experts", "embed", "expert_mlp"))
+        self.up = nnx.Param(init(rngs.params(), (e, d, f), pdtype), logical_axes=("experts", "embed", "expert_mlp"))
+        self.down = nnx.Param(init(rngs.params(), (e, f, d), pdtype), logical_axes=("experts", "expert_mlp", "embed"))
+
+    def __call__(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """x [B, T, D] -> (y [B, T, D], router_logits [B*T, E])."""
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        cfg = self.config
+        router_logits, weights, experts = route(flat, self.router[...], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        y = EXPERT_FNS[cfg.moe_impl](flat, weights, experts, self.gate[...], self.up[...], self.down[...])
+        return y.reshape(b, t, d), router_logits

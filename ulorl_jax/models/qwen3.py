@@ -1,0 +1,255 @@
+"""Qwen3 dense and Qwen3-MoE decoders in Flax NNX, exact against transformers.
+
+Shapes: B batch, T new tokens, S key/cache length, D hidden, H query heads,
+K kv heads, Dh head dim, F MLP width, V vocab.
+
+Three ways in:
+- `model(tokens, ...)` -> logits [B, T, V] (the DESIGN.md contract);
+- `model.forward(tokens, ...)` -> `ForwardOutput` (hidden states, logits
+  optional, router logits and the MoE auxiliary loss) for the learner;
+- `model.decode_step(tokens, cache, ...)` -> (logits, cache): incremental
+  decoding over a pre-allocated `KVCache`, prefill chunks and single tokens alike.
+
+Masking is described by segment ids (0 = padding) and positions: padded
+batches pass `attention_mask`, packed rows pass `segment_ids` (positions then
+restart at each segment unless given).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ulorl_jax.models.attention import AttentionMask, get_attention_impl
+from ulorl_jax.models.config import ModelConfig, resolve_dtype
+from ulorl_jax.models.moe import SparseMoeBlock, load_balancing_loss
+from ulorl_jax.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+
+class KVCache(NamedTuple):
+    """Pre-allocated per-slot cache. A pytree: pass it in and out of jit."""
+
+    k: tuple[jnp.ndarray, ...]  # per layer [B, S, K, Dh]
+    v: tuple[jnp.ndarray, ...]  # per layer [B, S, K, Dh]
+    segment_ids: jnp.ndarray  # [B, S] int32, 0 = empty / padding
+    index: jnp.ndarray  # [B] int32, next slot to write
+    position: jnp.ndarray  # [B] int32, RoPE position of the next real token
+
+    @property
+    def max_len(self) -> int:
+        return self.segment_ids.shape[1]
+
+
+class ForwardOutput(NamedTuple):
+    hidden: jnp.ndarray  # [B, T, D] after the final norm
+    logits: jnp.ndarray | None  # [B, T, V]
+    router_logits: tuple[jnp.ndarray, ...]  # per MoE layer [B*T, E]
+    aux_loss: jnp.ndarray  # scalar load-balancing loss (unscaled), 0 for dense models
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, axes):
+    return nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), logical_axes=("norm",))
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        # As transformers: normalise in float32, cast back, then scale.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with per-head q_norm / k_norm (Qwen3) and RoPE."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, k, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        pdtype = resolve_dtype(config.param_dtype)
+        self.config = config
+        self.q_proj = _normal(rngs, (d, h, dh), pdtype, ("embed", "q_heads", "head_dim"))
+        self.k_proj = _normal(rngs, (d, k, dh), pdtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj = _normal(rngs, (d, k, dh), pdtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj = _normal(rngs, (h, dh, d), pdtype, ("q_heads", "head_dim", "embed"))
+        self.q_norm = RMSNorm(dh, config.rms_norm_eps, pdtype)
+        self.k_norm = RMSNorm(dh, config.rms_norm_eps, pdtype)
+
+    def __call__(self, x, cos, sin, mask: AttentionMask, kv=None):
+        """x [B, T, D]. Without `kv`, keys are this call's tokens. With `kv` =
+        (k_cache, v_cache, write_index [B]) the new keys are written into the
+        cache first and attention runs over the whole cache."""
+        dt = x.dtype
+        q = self.q_norm(jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt)))  # [B, T, H, Dh]
+        k = self.k_norm(jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt)))  # [B, T, K, Dh]
+        v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_kv = None
+        if kv is not None:
+            k_cache, v_cache, index = kv
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
+            k = write(k_cache, k.astype(k_cache.dtype), index)  # [B, S, K, Dh]
+            v = write(v_cache, v.astype(v_cache.dtype), index)
+            new_kv = (k, v)
+            k, v = k.astype(dt), v.astype(dt)
+        out = get_attention_impl(self.config.attention_impl)(q, k, v, mask)  # [B, T, H, Dh]
+        return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        pdtype = resolve_dtype(config.param_dtype)
+        self.gate_proj = _normal(rngs, (d, f), pdtype, ("embed", "mlp"))
+        self.up_proj = _normal(rngs, (d, f), pdtype, ("embed", "mlp"))
+        self.down_proj = _normal(rngs, (f, d), pdtype, ("mlp", "embed"))
+
+    def __call__(self, x):
+        dt = x.dtype
+        h = jax.nn.silu(x @ self.gate_proj[...].astype(dt)) * (x @ self.up_proj[...].astype(dt))  # [B, T, F]
+        return h @ self.down_proj[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        pdtype = resolve_dtype(config.param_dtype)
+        self.is_moe = config.is_moe_layer(layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pdtype)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, pdtype)
+        self.mlp = SparseMoeBlock(config, rngs=rngs) if self.is_moe else MLP(config, rngs=rngs)
+
+    def __call__(self, x, cos, sin, mask, kv=None):
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        x = x + attn_out
+        h = self.post_attention_layernorm(x)
+        router_logits = None
+        if self.is_moe:
+            h, router_logits = self.mlp(h)
+        else:
+            h = self.mlp(h)
+        return x + h, new_kv, router_logits
+
+
+def positions_from_segments(segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """Positions restarting at 0 at each new segment: [B, T] -> [B, T]."""
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    is_start = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    start = jax.lax.cummax(jnp.where(is_start, idx, 0), axis=1)
+    return idx - start
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        pdtype = resolve_dtype(config.param_dtype)
+        self.config = config
+        self.embed_tokens = _normal(rngs, (config.vocab_size, config.hidden_size), pdtype, ("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, pdtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _normal(rngs, (config.hidden_size, config.vocab_size), pdtype, ("embed", "vocab"))
+        inv_freq, attention_factor = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._inv_freq = tuple(float(f) for f in inv_freq)  # host constant, not a parameter
+        self._rope_factor = attention_factor
+
+    # -- pieces the learner reuses -----------------------------------------------------
+
+    def lm_head_weight(self) -> jnp.ndarray:
+        """[D, V]: the output projection (the embedding transposed when tied)."""
+        return self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+
+    def _embed(self, tokens):
+        dt = resolve_dtype(self.config.dtype)
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dt)
+
+    def _rope(self, positions, dtype):
+        return rope_cos_sin(positions, self._inv_freq, self._rope_factor, dtype)
+
+    # -- full forward -----------------------------------------------------------------
+
+    def forward(self, tokens, *, positions=None, segment_ids=None, attention_mask=None,
+                compute_logits: bool = True) -> ForwardOutput:
+        """tokens [B, T] int32. `attention_mask` [B, T] (1 = real) for padded
+        batches; `segment_ids` [B, T] (>0, 0 = padding) for packed rows.
+        Default positions: per segment (packed), else count of real tokens before."""
+        b, t = tokens.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+            if positions is None:
+                positions = jnp.maximum(jnp.cumsum(segment_ids, axis=1) - 1, 0)
+        elif positions is None:
+            positions = positions_from_segments(segment_ids)
+        segment_ids = segment_ids.astype(jnp.int32)
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = AttentionMask(segment_ids, segment_ids, idx, is_self_attention=True)
+        x = self._embed(tokens)
+        cos, sin = self._rope(positions, x.dtype)
+        router_logits = []
+        for layer in self.layers:
+            x, _, rl = layer(x, cos, sin, mask)
+            if rl is not None:
+                router_logits.append(rl)
+        hidden = self.norm(x)
+        logits = hidden @ self.lm_head_weight().astype(hidden.dtype) if compute_logits else None
+        aux = jnp.zeros((), jnp.float32)
+        if router_logits:  # padding (segment 0) is left out, as transformers does with attention_mask
+            aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok,
+                                      segment_ids.reshape(-1) != 0)
+        return ForwardOutput(hidden, logits, tuple(router_logits), aux)
+
+    def __call__(self, tokens, *, positions=None, segment_ids=None, attention_mask=None) -> jnp.ndarray:
+        return self.forward(tokens, positions=positions, segment_ids=segment_ids,
+                            attention_mask=attention_mask).logits
+
+    # -- incremental decode -----------------------------------------------------------
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        cfg = self.config
+        dtype = resolve_dtype(dtype or cfg.dtype)
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return KVCache(zeros, zeros, jnp.zeros((batch, max_len), jnp.int32),
+                       jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    def decode_step(self, tokens, cache: KVCache, *, attention_mask=None, positions=None):
+        """Append tokens [B, T] to each slot's cache and return (logits [B, T, V], cache).
+
+        T may be a prompt chunk (prefill) or 1 (generation). `attention_mask`
+        marks padding inside `tokens` (e.g. left-padded prompts); padded tokens
+        take cache slots but are never attended to by real tokens. The caller
+        keeps `cache.index + T <= cache.max_len` (the engine checks it)."""
+        b, t = tokens.shape
+        real = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
+        if positions is None:
+            positions = cache.position[:, None] + jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
+        q_index = cache.index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+        write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i,)))
+        kv_segments = write(cache.segment_ids, real, cache.index)  # [B, S]
+        mask = AttentionMask(real, kv_segments, q_index, is_self_attention=False)
+        x = self._embed(tokens)
+        cos, sin = self._rope(positions, x.dtype)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x, (k, v), _ = layer(x, cos, sin, mask, kv=(cache.k[i], cache.v[i], cache.index))
+            new_k.append(k)
+            new_v.append(v)
+        hidden = self.norm(x)
+        logits = hidden @ self.lm_head_weight().astype(hidden.dtype)
+        new_cache = KVCache(tuple(new_k), tuple(new_v), kv_segments, cache.index + t,
+                            cache.position + jnp.sum(real, axis=1))
+        return logits, new_cache
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Qwen3ForCausalLM:
+    """A randomly initialised model on the default device (see `sharding.init_sharded` for meshes)."""
+    return Qwen3ForCausalLM(config, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,167 @@
+"""Device mesh and logical-axis sharding rules.
+
+Parameters carry logical axis names (`logical_axes` metadata on each
+`nnx.Param`, e.g. ("embed", "mlp")); a rules table maps each logical name to
+mesh axes. Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with
+sharded parameters and optimizer state), `expert` (MoE experts), `tensor`
+(heads / MLP width / vocab).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# Parameter logical axes -> mesh axes. None = replicated.
+DEFAULT_PARAM_RULES: dict[str, Any] = {
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "norm": None,
+}
+# Activations: the batch is split over every data-like axis (experts see the
+# whole batch through GSPMD's collectives).
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+class MeshError(ValueError):
+    """The requested mesh does not fit the devices, or a tensor does not divide over it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape; one axis may be -1 to take the remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    expert: int = 1
+    tensor: int = 1
+
+    def shape(self, num_devices: int) -> dict[str, int]:
+        sizes = {axis: getattr(self, axis) for axis in MESH_AXES}
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise MeshError(f"mesh.{axis}={size}: sizes must be positive or -1 (fill)")
+        fill = [a for a, s in sizes.items() if s == -1]
+        if len(fill) > 1:
+            raise MeshError(f"only one mesh axis may be -1, got {fill}")
+        known = math.prod(s for s in sizes.values() if s != -1)
+        if fill:
+            if num_devices % known:
+                raise MeshError(
+                    f"mesh {self._describe(sizes)} cannot fill {num_devices} devices: "
+                    f"{num_devices} is not a multiple of {known}"
+                )
+            sizes[fill[0]] = num_devices // known
+        if math.prod(sizes.values()) != num_devices:
+            raise MeshError(
+                f"mesh {self._describe(sizes)} = {math.prod(sizes.values())} devices, "
+                f"but {num_devices} are available"
+            )
+        return sizes
+
+    @staticmethod
+    def _describe(sizes: dict[str, int]) -> str:
+        return " x ".join(f"{a}={s}" for a, s in sizes.items())
+
+
+def make_mesh(config: MeshConfig | None = None, devices=None) -> Mesh:
+    """A Mesh with axes (data, fsdp, expert, tensor) over `devices` (default: all)."""
+    config = config or MeshConfig()
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = config.shape(len(devices))
+    grid = np.asarray(devices, dtype=object).reshape(tuple(sizes[a] for a in MESH_AXES))
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_to_spec(axes: tuple | None, rules: dict | None = None) -> P:
+    rules = DEFAULT_PARAM_RULES if rules is None else rules
+    if axes is None:
+        return P()
+    specs = []
+    for name in axes:
+        if name is not None and name not in rules:
+            raise MeshError(f"logical axis {name!r} has no sharding rule; rules cover {sorted(rules)}")
+        specs.append(None if name is None else rules[name])
+    return P(*specs)
+
+
+def _axis_size(mesh: Mesh, entry) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[n] for n in names)
+
+
+def spec_for(name: str, shape: tuple[int, ...], axes: tuple | None, mesh: Mesh, rules=None) -> NamedSharding:
+    """NamedSharding for one tensor, after checking every sharded dim divides."""
+    spec = logical_to_spec(axes, rules)
+    for dim, entry in zip(shape, spec):
+        if dim % _axis_size(mesh, entry):
+            raise MeshError(
+                f"parameter {name} with shape {tuple(shape)} and logical axes {axes}: dimension {dim} "
+                f"does not divide over mesh axis {entry!r} of size {_axis_size(mesh, entry)}"
+            )
+    return NamedSharding(mesh, spec)
+
+
+def _path_str(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_shardings(state: nnx.State, mesh: Mesh, rules: dict | None = None):
+    """A pytree like `state` with a NamedSharding per parameter (from its logical axes)."""
+
+    def one(path, var):
+        return var.replace(spec_for(_path_str(path), var.shape, getattr(var, "logical_axes", None), mesh, rules))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: dict | None = None) -> nnx.Module:
+    """Move a model's parameters onto `mesh` (in place) and return it."""
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh, rules)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model
+
+
+def init_sharded(config, mesh: Mesh, rules: dict | None = None, seed: int = 0):
+    """Initialise a Qwen3 model directly into its shardings (no full copy on one device)."""
+    from ulorl_jax.models.qwen3 import Qwen3ForCausalLM
+
+    def create():
+        return Qwen3ForCausalLM(config, rngs=nnx.Rngs(params=seed))
+
+    abstract = nnx.eval_shape(create)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, mesh, rules)
+    state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Batch dimension over (data, fsdp, expert); the rest replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def shard_batch(x, mesh: Mesh):
+    """Place a host batch [B, ...] on the mesh, checking B divides over the batch axes."""
+    n = _axis_size(mesh, BATCH_AXES)
+    if x.shape[0] % n:
+        raise MeshError(f"batch of shape {tuple(x.shape)}: size {x.shape[0]} does not divide over {n} data shards "
+                        f"(mesh axes {BATCH_AXES})")
+    return jax.device_put(x, batch_sharding(mesh, x.ndim))
