@@ -170,7 +170,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh=None, 
             sharding = spec_for(name, var.shape, getattr(var, "logical_axes", None), mesh, rules)
             array = jax.make_array_from_callback(
                 var.shape, sharding, lambda idx, v=view: np.asarray(v[idx], dtype=np_dtype))
-        var.value = array
+        var.set_value(array)
         del view
     return nnx.merge(graphdef, state)
 

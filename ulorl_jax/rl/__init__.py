@@ -1,0 +1,53 @@
+"""UloRL learner: losses, advantages, log-probs."""
+
+# Policy loss (Eq. 10) and its DMMPT mask
+from ulorl_jax.rl.losses import (
+    ENTROPY_MODES,
+    IS_MODES,
+    LOSS_AGG_MODES,
+    MASK_MODES,
+    loss_mask,
+    low_entropy_samples,
+    mpt_mask,
+    token_policy_loss,
+    validate_loss_inputs,
+)
+
+# Importance sampling under segments
+from ulorl_jax.rl.losses import logprob_mismatch, old_logprobs_for
+
+# Advantages and dynamic sampling
+from ulorl_jax.rl.advantages import (
+    DynamicSamplingReport,
+    dynamic_sampling_keep,
+    dynamic_sampling_report,
+    grpo_advantages,
+)
+
+# Token log-probs and entropy
+from ulorl_jax.rl.logprobs import (
+    chunked_logprobs_and_entropy,
+    full_logprobs_and_entropy,
+    sample_mean_entropy,
+)
+
+__all__ = [
+    "ENTROPY_MODES",
+    "IS_MODES",
+    "LOSS_AGG_MODES",
+    "MASK_MODES",
+    "loss_mask",
+    "low_entropy_samples",
+    "mpt_mask",
+    "token_policy_loss",
+    "validate_loss_inputs",
+    "logprob_mismatch",
+    "old_logprobs_for",
+    "DynamicSamplingReport",
+    "dynamic_sampling_keep",
+    "dynamic_sampling_report",
+    "grpo_advantages",
+    "chunked_logprobs_and_entropy",
+    "full_logprobs_and_entropy",
+    "sample_mean_entropy",
+]
