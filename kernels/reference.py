@@ -1,0 +1,135 @@
+"""Plain-jnp attention: the references every Pallas kernel is tested against.
+
+Layout everywhere: q [B, Tq, Hq, D], k / v [B, Tk, Hkv, D] with Hq % Hkv == 0.
+Grouped-query attention (GQA): query head h reads kv head h // (Hq // Hkv);
+the group axis is split out of q with a free reshape, so K/V are never
+repeated in memory.
+
+Masking rules (shared with the kernels):
+  * ``segment_ids`` [B, Tq] / ``kv_segment_ids`` [B, Tk]: a query attends only
+    to keys with the same id (several samples packed into one row).
+  * ``causal``: key index <= query index (requires Tq == Tk).
+  * A query row with no allowed key outputs exactly 0 (and gets zero grads).
+Logits and softmax are f32; the output is cast back to q.dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["mha_reference", "decode_attention_reference"]
+
+
+def _masked_softmax_attend(
+    s: jax.Array, mask: jax.Array, v: jax.Array, out_dtype: jnp.dtype
+) -> jax.Array:
+    """softmax(s) @ v over allowed keys; rows with no allowed key give 0.
+
+    s, mask: [B, Hkv, G, Tq, Tk] (f32 / bool); v: [B, Tk, Hkv, D].
+    Returns [B, Tq, Hkv, G, D] in out_dtype.
+    """
+    s = jnp.where(mask, s, -jnp.inf)
+    # Softmax is shift invariant: the max needs no gradient (keeps -inf out of
+    # the backward pass); empty rows (max = -inf) shift by 0 instead.
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)  # [B, Hkv, G, Tq, Tk]
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(l == 0.0, 1.0, l)
+    o = jnp.einsum(
+        "bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return o.astype(out_dtype)
+
+
+def mha_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Multi-head / grouped-query attention in plain jnp.
+
+    Args:
+      q: [B, Tq, Hq, D].
+      k, v: [B, Tk, Hkv, D], Hq % Hkv == 0.
+      causal: mask keys after the query (index order; needs Tq == Tk).
+      segment_ids: [B, Tq] int32 query segment ids (packed rows).
+      kv_segment_ids: [B, Tk] key segment ids; defaults to ``segment_ids``.
+      sm_scale: logit scale, default 1 / sqrt(D).
+
+    Returns:
+      [B, Tq, Hq, D] in q.dtype.
+    """
+    b, tq, hq, d = q.shape
+    _, tk, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    if causal and tq != tk:
+        raise ValueError(f"causal attention needs Tq == Tk, got {tq} and {tk}")
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+
+    qg = q.reshape(b, tq, hkv, g, d)  # free reshape: head h = kv_head * G + g
+    s = jnp.einsum(
+        "bqhgd,bkhd->bhgqk", qg.astype(jnp.float32), k.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    ) * scale  # [B, Hkv, G, Tq, Tk]
+
+    mask = jnp.ones((b, 1, 1, tq, tk), dtype=bool)
+    if causal:
+        mask &= (jnp.arange(tq)[:, None] >= jnp.arange(tk)[None, :])[None, None, None]
+    if segment_ids is not None:
+        kv_seg = segment_ids if kv_segment_ids is None else kv_segment_ids
+        mask &= (segment_ids[:, :, None] == kv_seg[:, None, :])[:, None, None]
+    elif kv_segment_ids is not None:
+        raise ValueError("kv_segment_ids given without segment_ids")
+
+    o = _masked_softmax_attend(s, mask, v, q.dtype)  # [B, Tq, Hkv, G, D]
+    return o.reshape(b, tq, hq, d)
+
+
+def decode_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """One new query token per sequence against a KV cache.
+
+    Args:
+      q: [B, Hq, D], the current token's queries.
+      k_cache, v_cache: [B, S, Hkv, D].
+      lengths: [B] int, number of valid cache entries; the query attends to
+        keys 0 .. lengths[b] - 1 (length 0 gives output 0).
+      sm_scale: logit scale, default 1 / sqrt(D).
+
+    Returns:
+      [B, Hq, D] in q.dtype.
+    """
+    b, hq, d = q.shape
+    _, s_len, hkv, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+
+    qg = q.reshape(b, 1, hkv, g, d)
+    s = jnp.einsum(
+        "bqhgd,bkhd->bhgqk", qg.astype(jnp.float32), k_cache.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    ) * scale  # [B, Hkv, G, 1, S]
+    valid = jnp.arange(s_len)[None, :] < jnp.asarray(lengths)[:, None]  # [B, S]
+    mask = valid[:, None, None, None, :]
+    o = _masked_softmax_attend(s, mask, v_cache, q.dtype)  # [B, 1, Hkv, G, D]
+    return o.reshape(b, hq, d)
