@@ -1,0 +1,1 @@
+"""Benchmarks behind `ulorl bench ...`; each module has `add_arguments`, `run`, `format_table`, `main`."""
