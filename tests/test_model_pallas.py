@@ -29,3 +29,17 @@ def test_pallas_attention_matches_xla_logits_and_grads():
     assert abs(float(l_x) - float(l_p)) < 1e-5
     for a, b in zip(jax.tree.leaves(g_x), jax.tree.leaves(g_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_unavailable_impls_fall_back_with_a_logged_reason(caplog):
+    from ulorl_jax.models import fallback
+
+    fallback._warned.clear()
+    tokens = jnp.ones((1, 5), jnp.int32)
+    reference = init_model(tiny_config("qwen3_moe"), seed=2)(tokens)
+    with caplog.at_level("WARNING"):
+        other = init_model(tiny_config("qwen3_moe", attention_impl="cudnn", moe_impl="pallas"), seed=2)(tokens)
+    np.testing.assert_allclose(np.asarray(other), np.asarray(reference), atol=1e-6)
+    if jax.default_backend() != "gpu":
+        assert "attention_impl=cudnn needs a GPU" in caplog.text
+    assert "moe_impl=pallas: no Pallas grouped matmul" in caplog.text

@@ -69,6 +69,10 @@ def _convert(args) -> int:
 def _bench_forward(args) -> int:
     from ulorl_jax.bench import forward
 
+    try:
+        import torch  # noqa: F401  (the PyTorch side of the comparison)
+    except ModuleNotFoundError:
+        raise ValueError("bench forward compares against PyTorch: install it with pip install -e '.[test]'") from None
     result = forward.run(args)
     print(forward.format_table(result))
     if args.json:

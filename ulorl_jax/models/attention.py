@@ -21,8 +21,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from ulorl_jax.models.fallback import warn_once
+
 log = logging.getLogger(__name__)
-_warned: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +52,6 @@ class AttentionMask:
 AttentionFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, AttentionMask], jnp.ndarray]
 
 
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(message)
-
-
 def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
@@ -71,22 +66,22 @@ def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
 
 def cudnn_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     if jax.default_backend() != "gpu":
-        _warn_once("cudnn-platform", f"attention_impl=cudnn needs a GPU (backend is {jax.default_backend()}); using xla")
+        warn_once(log, "cudnn-platform", f"attention_impl=cudnn needs a GPU (backend is {jax.default_backend()}); using xla")
         return xla_attention(q, k, v, mask)
     return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], implementation="cudnn")
 
 
 def pallas_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     if not mask.is_self_attention:
-        _warn_once("pallas-decode", "attention_impl=pallas: KV-cache decode path not wired to a kernel yet; using xla")
+        warn_once(log, "pallas-decode", "attention_impl=pallas: KV-cache decode path not wired to a kernel yet; using xla")
         return xla_attention(q, k, v, mask)
     try:
         from ulorl_jax import kernels
     except ImportError as err:  # pragma: no cover - depends on the install
-        _warn_once("pallas-import", f"attention_impl=pallas unavailable ({err}); using xla")
+        warn_once(log, "pallas-import", f"attention_impl=pallas unavailable ({err}); using xla")
         return xla_attention(q, k, v, mask)
     if not hasattr(kernels, "attention"):
-        _warn_once("pallas-missing", "attention_impl=pallas: ulorl_jax.kernels has no attention(); using xla")
+        warn_once(log, "pallas-missing", "attention_impl=pallas: ulorl_jax.kernels has no attention(); using xla")
         return xla_attention(q, k, v, mask)
     return kernels.attention(q, k, v, causal=True, segment_ids=mask.q_segment_ids, impl="pallas")
 

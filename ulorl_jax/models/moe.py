@@ -12,11 +12,16 @@ Experts are dropless: every (token, expert) assignment is computed.
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
+from ulorl_jax.models.fallback import warn_once
+
+log = logging.getLogger(__name__)
 
 
 def route(x: jnp.ndarray, router_w: jnp.ndarray, top_k: int, norm_topk_prob: bool):
@@ -56,12 +61,10 @@ def experts_dense(x, weights, experts, w_gate, w_up, w_down) -> jnp.ndarray:
 
 
 def _experts_pallas(*args):  # resolved lazily so the kernels package stays optional
-    from ulorl_jax.models.attention import _warn_once
-
     try:
         from ulorl_jax.kernels import grouped_matmul_experts
     except ImportError:
-        _warn_once("moe-pallas", "moe_impl=pallas: no Pallas grouped matmul available yet; using ragged_dot")
+        warn_once(log, "moe-pallas", "moe_impl=pallas: no Pallas grouped matmul available yet; using ragged_dot")
         return experts_ragged(*args)
     return grouped_matmul_experts(*args)
 
