@@ -17,9 +17,19 @@ def _args(*extra) -> argparse.Namespace:
     return forward.add_arguments(argparse.ArgumentParser()).parse_args(TINY_ARGS + list(extra))
 
 
+_RESULTS = {}
+
+
+def _run(model_type: str, layers: str) -> dict:
+    """One real run per model type (each costs a few seconds of JAX compile); reused below."""
+    if model_type not in _RESULTS:
+        _RESULTS[model_type] = forward.run(_args("--model-type", model_type, "--layers", layers))
+    return _RESULTS[model_type]
+
+
 @pytest.mark.parametrize("model_type,layers", [("qwen3", "1"), ("qwen3_moe", "2")])
 def test_run_reports_throughput_and_matching_logits(model_type, layers):
-    result = forward.run(_args("--model-type", model_type, "--layers", layers))
+    result = _run(model_type, layers)
     assert result["model"]["model_type"] == model_type
     assert result["model"]["params"] == result["model"]["params_jax"] > 0
     assert result["tokens_per_step"] == 2 * 16
@@ -41,8 +51,17 @@ def test_run_reports_throughput_and_matching_logits(model_type, layers):
     json.dumps(result)  # serialisable as is
 
 
-def test_main_json_is_last_stdout_line(capsys):
+def test_main_json_is_last_stdout_line(capsys, monkeypatch):
+    seen = {}
+    dense = _run("qwen3", "1")
+
+    def fake_run(args):  # main's own job is parsing and printing; the measuring is tested above
+        seen["args"] = args
+        return dense
+
+    monkeypatch.setattr(forward, "run", fake_run)
     assert forward.main(TINY_ARGS + ["--model-type", "qwen3", "--layers", "1", "--json"]) == 0
+    assert seen["args"].model_type == "qwen3" and seen["args"].layers == 1 and seen["args"].json
     lines = capsys.readouterr().out.strip().splitlines()
     result = json.loads(lines[-1])
     assert result["bench"] == "forward" and result["settings"]["model_type"] == "qwen3"
