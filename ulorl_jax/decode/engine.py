@@ -1,0 +1,531 @@
+"""PolicyEngine: our Qwen3 policy behind JetStream's Engine API.
+
+Method and argument names follow `jetstream.engine.engine_api.Engine`
+(prefill / insert / generate / load_params / init_decode_state / ...), and
+`ResultTokens` has JetStream's fields and methods, so JetStream's orchestrator
+can drive this engine (`register_as_jetstream_engine`). Nothing here imports
+jetstream.
+
+- Slots: one pre-allocated KV cache [max_concurrent_decodes, max_cache_len];
+  `insert` writes a prefilled prompt into one slot row, so a finished slot is
+  refilled without waiting for the others (continuous batching, `run`).
+- Params are an explicit argument of every jitted function: a new params
+  pytree of the same structure (new weights every RL step) never recompiles.
+- Prefill pads prompts to a length bucket (one compile per bucket); prompts
+  longer than `max_prefill_length`, empty prompts and unknown token ids raise.
+- Per-slot RNG keys, generated counts, budgets and done flags live in the
+  decode state, so a request's tokens do not depend on which slot it got.
+- `generate_steps` runs several decode steps in one jit (`lax.scan`): on small
+  models per-token Python dispatch would dominate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
+from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
+
+# --------------------------------------------------------------------------------------
+# JetStream-shaped result containers (same fields / methods as jetstream's engine_api).
+
+
+@struct.dataclass
+class SlotData:
+    tokens: Any  # [samples_per_slot, 1]
+    valid: Any  # [samples_per_slot, 1]
+    lengths: Any  # [samples_per_slot]
+
+
+@struct.dataclass
+class ResultTokens:
+    """As JetStream's: one array [B, 3] = (token, valid, length) so one host copy fetches all."""
+
+    data: Any
+    tokens_idx: tuple[int, int] = struct.field(pytree_node=False)
+    valid_idx: tuple[int, int] = struct.field(pytree_node=False)
+    length_idx: tuple[int, int] = struct.field(pytree_node=False)
+    samples_per_slot: int = struct.field(pytree_node=False)
+
+    def copy_to_host_async(self) -> None:
+        if not isinstance(self.data, np.ndarray):
+            self.data.copy_to_host_async()
+
+    def convert_to_numpy(self) -> "ResultTokens":
+        return ResultTokens(np.array(self.data), self.tokens_idx, self.valid_idx, self.length_idx,
+                            self.samples_per_slot)
+
+    def get_result_at_slot(self, slot: int) -> SlotData:
+        a, b = slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot
+        return SlotData(tokens=self.data[a:b, self.tokens_idx[0]:self.tokens_idx[1]],
+                        valid=self.data[a:b, self.valid_idx[0]:self.valid_idx[1]],
+                        lengths=self.data[a:b, self.length_idx[0]:self.length_idx[1]][:, 0])
+
+
+def _result_tokens(tokens, valid, lengths) -> ResultTokens:
+    data = jnp.stack([tokens.astype(jnp.int32), valid.astype(jnp.int32), lengths.astype(jnp.int32)], axis=1)
+    return ResultTokens(data, (0, 1), (1, 2), (2, 3), 1)  # [B, 3]
+
+
+# --------------------------------------------------------------------------------------
+# Engine state.
+
+
+class Prefix(NamedTuple):
+    """A prefilled request (batch 1), ready to `insert` into a slot."""
+
+    cache: KVCache  # [1, L] with index = true length
+    token: jnp.ndarray  # [] int32: first generated token
+    logprob: jnp.ndarray  # [] f32 (convention in sampling.py)
+    sampling_logprob: jnp.ndarray  # [] f32
+    key: jnp.ndarray  # [2] uint32: the request's RNG after sampling `token`
+    budget: jnp.ndarray  # [] int32: max tokens this request may generate (>= 1)
+    done: jnp.ndarray  # [] bool: `token` already ends the request (EOS or budget 1)
+
+
+class DecodeState(NamedTuple):
+    cache: KVCache  # [B, S]
+    tokens: jnp.ndarray  # [B] int32: last generated token = next input
+    keys: jnp.ndarray  # [B, 2] uint32 per-slot RNG
+    lengths: jnp.ndarray  # [B] int32: tokens generated in the slot (incl. the prefill one)
+    budget: jnp.ndarray  # [B] int32: the slot stops at lengths == budget
+    done: jnp.ndarray  # [B] bool: empty or finished slot (generates nothing)
+    logprobs: jnp.ndarray  # [B] f32 of the last generated token
+    sampling_logprobs: jnp.ndarray  # [B] f32
+
+
+class StepsOutput(NamedTuple):
+    tokens: jnp.ndarray  # [B, N] int32
+    logprobs: jnp.ndarray  # [B, N] f32
+    sampling_logprobs: jnp.ndarray  # [B, N] f32
+    valid: jnp.ndarray  # [B, N] bool: slot was generating at this step
+
+
+def _as_raw_key(key) -> jnp.ndarray:
+    if isinstance(key, int):
+        return jax.random.PRNGKey(key)
+    key = jnp.asarray(key)
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return key.astype(jnp.uint32)
+
+
+def default_prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest`, capped by (and ending at) max_prefill_length."""
+    buckets, b = [], smallest
+    while b < max_prefill_length:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets) + (max_prefill_length,)
+
+
+# --------------------------------------------------------------------------------------
+# Pure step functions (jitted by the engine; `model` is merged from params inside).
+
+
+def _eos_hit(tokens: jnp.ndarray, eos_ids: tuple[int, ...]) -> jnp.ndarray:
+    hit = jnp.zeros(tokens.shape, bool)
+    for e in eos_ids:
+        hit = hit | (tokens == e)
+    return hit
+
+
+def _prefill_impl(graphdef, rest, params, tokens, true_length, cache, key, budget, *, sampling, eos_ids):
+    """tokens [1, L] (right-padded), cache [1, S >= index + L]. Returns a Prefix."""
+    model = nnx.merge(graphdef, params, rest)
+    start = cache.index  # [1]
+    mask = (jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] < true_length).astype(jnp.int32)  # [1, L]
+    logits, cache = model.decode_step(tokens, cache, attention_mask=mask)  # [1, L, V]
+    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, axis=0, keepdims=True)  # [1, V]
+    key, sub = jax.random.split(key)
+    tok, lp, slp = sample_tokens(last, sub[None], sampling)
+    # Padding took cache slots past the prompt: rewind so decoding overwrites them.
+    cache = cache._replace(index=start + true_length)
+    done = _eos_hit(tok, eos_ids)[0] | (budget <= 1)
+    return Prefix(cache, tok[0], lp[0], slp[0], key, budget, done)
+
+
+def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+    c, p = state.cache, prefix.cache
+    s, length = c.max_len, p.max_len
+
+    def put_row(full, row):  # full [B, S, ...], row [1, L, ...] -> slot's row = row, zero-padded to S
+        pad = [(0, 0), (0, s - length)] + [(0, 0)] * (row.ndim - 2)
+        return jax.lax.dynamic_update_slice_in_dim(full, jnp.pad(row, pad).astype(full.dtype), slot, axis=0)
+
+    cache = KVCache(
+        k=tuple(put_row(a, b) for a, b in zip(c.k, p.k)),
+        v=tuple(put_row(a, b) for a, b in zip(c.v, p.v)),
+        segment_ids=put_row(c.segment_ids, p.segment_ids),
+        index=c.index.at[slot].set(p.index[0]),
+        position=c.position.at[slot].set(p.position[0]),
+    )
+    return DecodeState(
+        cache=cache,
+        tokens=state.tokens.at[slot].set(prefix.token),
+        keys=state.keys.at[slot].set(prefix.key),
+        lengths=state.lengths.at[slot].set(1),
+        budget=state.budget.at[slot].set(prefix.budget),
+        done=state.done.at[slot].set(prefix.done),
+        logprobs=state.logprobs.at[slot].set(prefix.logprob),
+        sampling_logprobs=state.sampling_logprobs.at[slot].set(prefix.sampling_logprob),
+    )
+
+
+def _generate_impl(graphdef, rest, params, state: DecodeState, *, sampling, eos_ids):
+    """One decode step for every slot; finished slots compute but change nothing."""
+    model = nnx.merge(graphdef, params, rest)
+    active = ~state.done  # [B]
+    old = state.cache
+    logits, cache = model.decode_step(state.tokens[:, None], old, attention_mask=active[:, None])  # [B, 1, V]
+    cache = cache._replace(index=jnp.where(active, cache.index, old.index))  # idle slots keep their place
+    split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
+    tok, lp, slp = sample_tokens(logits[:, 0], split[:, 1], sampling)
+    keys = jnp.where(active[:, None], split[:, 0], state.keys)
+    lengths = state.lengths + active.astype(jnp.int32)
+    done = state.done | (active & (_eos_hit(tok, eos_ids) | (lengths >= state.budget)))
+    new = DecodeState(cache, jnp.where(active, tok, state.tokens), keys, lengths, state.budget, done,
+                      jnp.where(active, lp, state.logprobs), jnp.where(active, slp, state.sampling_logprobs))
+    return new, (tok, lp, slp, active)
+
+
+def _generate_steps_impl(graphdef, rest, params, state, *, num_steps, sampling, eos_ids):
+    def body(st, _):
+        return _generate_impl(graphdef, rest, params, st, sampling=sampling, eos_ids=eos_ids)
+
+    state, (tok, lp, slp, valid) = jax.lax.scan(body, state, None, length=num_steps)  # each [N, B]
+    return state, StepsOutput(tok.T, lp.T, slp.T, valid.T)
+
+
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Request:
+    """One prompt to continue for at most `max_new_tokens` tokens (host side of `run`)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    key: Any  # PRNG key (int seed, raw [2] uint32 or typed)
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    sampling_logprobs: list[float]
+    stop: str  # "eos" (EOS id), "stop" (stop sequence) or "budget" (max_new_tokens used)
+
+
+@dataclasses.dataclass
+class RunStats:
+    tokens_decoded: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefills: int = 0
+    generate_calls: int = 0
+    slot_steps_used: int = 0  # sum over decode steps of generating slots
+    slot_steps_total: int = 0  # decode steps x slots
+
+    @property
+    def slot_occupancy(self) -> float:
+        return self.slot_steps_used / self.slot_steps_total if self.slot_steps_total else 0.0
+
+
+def _ends_with_stop(tokens: list[int], stop_sequences) -> bool:
+    return any(len(s) and len(tokens) >= len(s) and tokens[-len(s):] == list(s) for s in stop_sequences)
+
+
+class PolicyEngine:
+    """JetStream-style engine over a `Qwen3ForCausalLM` (see module doc)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, *, max_concurrent_decodes: int, max_prefill_length: int,
+                 max_cache_len: int, prefill_buckets: Sequence[int] | None = None,
+                 sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
+                 mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None):
+        for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
+                        ("max_prefill_length", max_prefill_length), ("max_cache_len", max_cache_len)):
+            if int(v) != v or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if max_prefill_length > max_cache_len:
+            raise ValueError(f"max_prefill_length={max_prefill_length} > max_cache_len={max_cache_len}")
+        buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else \
+            default_prefill_buckets(max_prefill_length)
+        if buckets[0] < 1 or buckets[-1] < max_prefill_length:
+            raise ValueError(f"prefill_buckets {buckets} must be >= 1 and cover max_prefill_length="
+                             f"{max_prefill_length}")
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        bad = [e for e in eos_token_ids if not 0 <= e < self.vocab_size]
+        if bad:
+            raise ValueError(f"eos_token_ids {bad} outside the vocabulary [0, {self.vocab_size})")
+        self._graphdef, self._params, self._rest = nnx.split(model, nnx.Param, ...)
+        self._model = model
+        self._slots = int(max_concurrent_decodes)
+        self._max_prefill = int(max_prefill_length)
+        self.max_cache_len = int(max_cache_len)
+        self.prefill_buckets = tuple(b for b in buckets if b <= max_prefill_length)
+        self.sampling = sampling
+        self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
+        self._mesh = mesh
+        self._tokenizer = tokenizer
+        self._prefill_calls = 0
+        g, r = self._graphdef, self._rest
+        self._prefill_jit = jax.jit(lambda p, t, n, c, k, b, *, sampling, eos_ids:
+                                    _prefill_impl(g, r, p, t, n, c, k, b, sampling=sampling, eos_ids=eos_ids),
+                                    static_argnames=("sampling", "eos_ids"))
+        self._insert_jit = jax.jit(_insert_impl, donate_argnums=(1,))
+        self._generate_jit = jax.jit(lambda p, s, *, sampling, eos_ids:
+                                     _generate_impl(g, r, p, s, sampling=sampling, eos_ids=eos_ids),
+                                     static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
+        self._steps_jit = jax.jit(lambda p, s, *, num_steps, sampling, eos_ids:
+                                  _generate_steps_impl(g, r, p, s, num_steps=num_steps, sampling=sampling,
+                                                       eos_ids=eos_ids),
+                                  static_argnames=("num_steps", "sampling", "eos_ids"), donate_argnums=(1,))
+        self._free_jit = jax.jit(lambda s, slot: s._replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
+
+    # -- JetStream Engine properties ------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        if self._mesh is None:
+            self._mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        return self._mesh
+
+    @property
+    def colocated_cpus(self):
+        return None
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return None  # prefixes stay where prefill put them (same devices as decode)
+
+    def get_tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def build_tokenizer(self, metadata: Any = None) -> Any:
+        return self._tokenizer
+
+    def free_resource(self, slot: int) -> Any:
+        return None
+
+    # -- JetStream Engine methods ---------------------------------------------------------
+
+    def load_params(self, *args, **kwargs) -> nnx.State:
+        """The model's parameter pytree. Any pytree of the same structure / shardings may be passed later."""
+        return self._params
+
+    def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        b = self._slots
+        zf = jnp.zeros((b,), jnp.float32)
+        state = DecodeState(self._model.init_cache(b, self.max_cache_len), jnp.zeros((b,), jnp.int32),
+                            jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
+                            jnp.ones((b,), bool), zf, zf)
+        # Distinct buffers (init_cache shares its zeros): the state is donated leaf by leaf.
+        return jax.tree.map(lambda a: jnp.array(a, copy=True), state)
+
+    def check_prompt(self, tokens: Sequence[int], what: str = "prompt") -> np.ndarray:
+        """Host-side validation: non-empty, within max_prefill_length, ids in the vocabulary."""
+        ids = np.asarray(tokens)
+        if ids.ndim != 1:
+            raise ValueError(f"{what}: expected a 1-D list of token ids, got shape {ids.shape}")
+        if ids.size == 0:
+            raise ValueError(f"{what} is empty (0 tokens); at least one token is needed")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{what}: token ids must be integers, got dtype {ids.dtype}")
+        if ids.size > self._max_prefill:
+            raise ValueError(f"{what} has {ids.size} tokens, more than max_prefill_length={self._max_prefill} "
+                             "(prompts are never truncated; raise the engine's max_prefill_length)")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"{what} holds unknown token ids {sorted(set(bad.tolist()))[:8]} "
+                             f"(vocabulary is [0, {self.vocab_size}))")
+        return ids.astype(np.int32)
+
+    def bucket_for(self, length: int) -> int:
+        for b in self.prefill_buckets:
+            if b >= length:
+                return b
+        raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length={self._max_prefill}")
+
+    def prefill(self, *, params: Any, existing_prefix: Prefix | None = None, padded_tokens: Any,
+                true_length: int, sampler: Callable | None = None, rng: Any = None,
+                max_new_tokens: int | None = None, sampling: SamplingParams | None = None
+                ) -> tuple[Prefix, ResultTokens]:
+        """Run the prompt `padded_tokens[:true_length]` (appended to `existing_prefix` if given) and
+        sample its first token. Extra keywords (not in JetStream's API, all optional): `rng`
+        (the request's key; default: a counter), `max_new_tokens` (default: until the cache is
+        full), `sampling` (default: the engine's)."""
+        if sampler is not None:
+            raise ValueError("PolicyEngine samples with SamplingParams; a custom `sampler` is not supported")
+        true_length = int(true_length)
+        flat = np.asarray(padded_tokens).reshape(-1)
+        if not 0 <= true_length <= flat.size:
+            raise ValueError(f"true_length={true_length} must be in [0, len(padded_tokens)={flat.size}]")
+        ids = self.check_prompt(flat[:true_length])
+        bucket = self.bucket_for(true_length)
+        start = 0 if existing_prefix is None else int(existing_prefix.cache.index[0])
+        if start + true_length > self.max_cache_len:
+            raise ValueError(f"prefix of {start} + {true_length} tokens exceeds max_cache_len={self.max_cache_len}")
+        room = self.max_cache_len - start - true_length + 1  # tokens that still fit (last one is never cached)
+        budget = room if max_new_tokens is None else int(max_new_tokens)
+        if budget < 1 or budget > room:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, {room}] for a prompt of "
+                             f"{start + true_length} tokens and max_cache_len={self.max_cache_len}")
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :true_length] = ids
+        if existing_prefix is None:
+            cache = self._model.init_cache(1, bucket)
+        else:  # grow the existing cache so the new chunk fits after its index
+            c = existing_prefix.cache
+            pad = start + bucket - c.max_len
+            grow = (lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))) if pad > 0 else (lambda a: a)
+            cache = KVCache(tuple(map(grow, c.k)), tuple(map(grow, c.v)), grow(c.segment_ids), c.index, c.position)
+        if rng is None:
+            rng = jax.random.fold_in(jax.random.PRNGKey(0), self._prefill_calls)
+        self._prefill_calls += 1
+        prefix = self._prefill_jit(params, jnp.asarray(tokens), jnp.int32(true_length), cache, _as_raw_key(rng),
+                                   jnp.int32(budget), sampling=sampling or self.sampling,
+                                   eos_ids=self.eos_token_ids)
+        first = _result_tokens(prefix.token[None], jnp.ones((1,), bool), jnp.ones((1,), jnp.int32))
+        return prefix, first
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        if not 0 <= int(slot) < self._slots:
+            raise ValueError(f"slot={slot} outside [0, {self._slots})")
+        if prefix.cache.max_len > self.max_cache_len:
+            raise ValueError(f"prefix cache of length {prefix.cache.max_len} exceeds max_cache_len="
+                             f"{self.max_cache_len}")
+        return self._insert_jit(prefix, decode_state, jnp.int32(slot))
+
+    def generate(self, params: Any, decode_state: DecodeState, sampler: Callable | None = None,
+                 sampling: SamplingParams | None = None) -> tuple[DecodeState, ResultTokens]:
+        """One token for every generating slot. ResultTokens.valid is 0 for idle / finished slots;
+        lengths count the slot's generated tokens. The last token's log-probs are in the state."""
+        if sampler is not None:
+            raise ValueError("PolicyEngine samples with SamplingParams; a custom `sampler` is not supported")
+        state, (tok, _, _, valid) = self._generate_jit(params, decode_state, sampling=sampling or self.sampling,
+                                                       eos_ids=self.eos_token_ids)
+        return state, _result_tokens(tok, valid, state.lengths)
+
+    # -- our fast path --------------------------------------------------------------------
+
+    def generate_steps(self, params: Any, decode_state: DecodeState, num_steps: int,
+                       sampling: SamplingParams | None = None) -> tuple[DecodeState, StepsOutput]:
+        """`num_steps` generate steps inside one jit (lax.scan)."""
+        return self._steps_jit(params, decode_state, num_steps=int(num_steps), sampling=sampling or self.sampling,
+                               eos_ids=self.eos_token_ids)
+
+    def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Mark a slot finished (e.g. a stop sequence seen on the host)."""
+        return self._free_jit(decode_state, jnp.int32(slot))
+
+    def compile_count(self) -> int:
+        """Executables compiled so far, over all jitted entry points (tests: no recompiles)."""
+        fns = (self._prefill_jit, self._insert_jit, self._generate_jit, self._steps_jit, self._free_jit)
+        return sum(f._cache_size() for f in fns)
+
+    def run(self, params: Any, requests: Sequence[Request], *, sampling: SamplingParams | None = None,
+            stop_sequences: Sequence[Sequence[int]] = (), steps_per_call: int = 8,
+            on_tokens: Callable[[int], None] | None = None) -> tuple[list[Completion], RunStats]:
+        """Continuous batching: decode every request, refilling a slot as soon as it frees.
+
+        Tokens of a request depend only on its prompt, key, params and sampling, never on
+        the slot or on its neighbours. `on_tokens(n)` reports progress."""
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        sampling = sampling or self.sampling
+        stops = [list(s) for s in stop_sequences if len(s)]
+        for i, r in enumerate(requests):
+            self.check_prompt(r.prompt_ids, what=f"request {i} prompt")
+        out: list[Completion | None] = [None] * len(requests)
+        stats = RunStats()
+        pending = deque(range(len(requests)))
+        slot_req: list[int | None] = [None] * self._slots
+        state = self.init_decode_state()
+
+        def finish(slot, stop):
+            out[slot_req[slot]].stop = stop
+            slot_req[slot] = None
+
+        while pending or any(r is not None for r in slot_req):
+            for slot in range(self._slots):  # refill free slots
+                if slot_req[slot] is not None or not pending:
+                    continue
+                i = pending.popleft()
+                r = requests[i]
+                t0 = time.perf_counter()
+                prefix, _ = self.prefill(params=params, padded_tokens=np.asarray(r.prompt_ids, np.int32),
+                                         true_length=len(r.prompt_ids), rng=r.key,
+                                         max_new_tokens=r.max_new_tokens, sampling=sampling)
+                state = self.insert(prefix, state, slot)
+                tok, lp, slp, done = jax.device_get((prefix.token, prefix.logprob, prefix.sampling_logprob,
+                                                     prefix.done))
+                stats.prefill_seconds += time.perf_counter() - t0
+                stats.prefills += 1
+                stats.tokens_decoded += 1
+                out[i] = Completion([int(tok)], [float(lp)], [float(slp)], "")
+                slot_req[slot] = i
+                if on_tokens:
+                    on_tokens(1)
+                if done:
+                    finish(slot, "eos" if int(tok) in self.eos_token_ids else "budget")
+                elif _ends_with_stop(out[i].tokens, stops):
+                    state = self.free_slot(state, slot)
+                    finish(slot, "stop")
+            if all(r is None for r in slot_req):
+                continue
+            t0 = time.perf_counter()
+            state, steps = self.generate_steps(params, state, steps_per_call, sampling=sampling)
+            steps, done = jax.device_get((steps, state.done))
+            stats.decode_seconds += time.perf_counter() - t0
+            stats.generate_calls += 1
+            stats.slot_steps_used += int(steps.valid.sum())
+            stats.slot_steps_total += steps.valid.size
+            new_tokens = 0
+            for slot, i in enumerate(slot_req):
+                if i is None:
+                    continue
+                c = out[i]
+                for n in np.flatnonzero(steps.valid[slot]):
+                    c.tokens.append(int(steps.tokens[slot, n]))
+                    c.logprobs.append(float(steps.logprobs[slot, n]))
+                    c.sampling_logprobs.append(float(steps.sampling_logprobs[slot, n]))
+                    new_tokens += 1
+                    if _ends_with_stop(c.tokens, stops):  # trim anything decoded past the stop sequence
+                        break
+                if stops and _ends_with_stop(c.tokens, stops) and not (
+                        done[slot] and c.tokens[-1] in self.eos_token_ids):
+                    state = self.free_slot(state, slot)
+                    finish(slot, "stop")
+                elif done[slot]:
+                    finish(slot, "eos" if c.tokens[-1] in self.eos_token_ids else "budget")
+            stats.tokens_decoded += new_tokens
+            if on_tokens and new_tokens:
+                on_tokens(new_tokens)
+        return out, stats
+
+
+def register_as_jetstream_engine(engine_api: Any) -> None:
+    """Make PolicyEngine a (virtual) subclass of `jetstream.engine.engine_api.Engine`.
+    Call it with the module after importing jetstream in its isolated way."""
+    engine_api.Engine.register(PolicyEngine)
