@@ -1,0 +1,254 @@
+"""Prompts for RL: read, validate, tokenize (chat template), and stream in a resumable shuffled order.
+
+`load_prompts(config, tokenizer)` reads every row once (data/readers.py),
+keeps the valid ones as `PromptRecord`s and reports the others as `BadRow`s
+with file and line: bad JSON, missing key, wrong type, empty prompt, prompt
+longer than `max_prompt_len` tokens. `on_bad_row="skip"` logs and counts
+them; "error" raises ValueError at the first one.
+
+`PromptStream` yields `PromptItem`s (decode/segment.py) forever, epoch after
+epoch; epoch e visits the records in the permutation drawn from (seed, e).
+`state_dict()` (JSON-able: epoch, position, seed, a data fingerprint) and
+`load_state_dict()` let a resumed run continue with exactly the next prompt.
+`prompt_index` = epoch * num_prompts + position: unique over the run, so
+the same prompt drawn in two epochs forms two GRPO groups that never mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import zlib
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ulorl_jax.data.readers import BadRow, read_rows
+from ulorl_jax.decode.segment import PromptItem
+
+logger = logging.getLogger(__name__)
+
+BAD_ROW_ACTIONS = ("skip", "error")
+_LOGGED_BAD_ROWS = 20
+
+
+@dataclasses.dataclass
+class PromptDataConfig:
+    """Where prompts come from and how rows become token ids."""
+
+    path: str = ""
+    prompt_key: str = "prompt"  # str, a list of chat messages, or a list of token ids
+    answer_key: str | None = "answer"  # None: rows need no reference answer
+    max_prompt_len: int | None = None  # tokens, after the chat template
+    on_bad_row: str = "skip"  # "skip" | "error"
+    use_chat_template: bool = True  # when the tokenizer has one
+    system_prompt: str | None = None
+    split: str = "train"  # for a datasets folder holding a DatasetDict
+    extra_keys: tuple[str, ...] = ()  # further row fields copied into metadata
+    shuffle: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ValueError("prompt data: path is empty")
+        if self.on_bad_row not in BAD_ROW_ACTIONS:
+            raise ValueError(f"on_bad_row must be one of {BAD_ROW_ACTIONS}, got {self.on_bad_row!r}")
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len must be >= 1, got {self.max_prompt_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One valid row: its token ids and the metadata passed through to rewards."""
+
+    prompt_ids: list[int]
+    metadata: dict
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, *, use_chat_template: bool = True,
+                  system_prompt: str | None = None) -> list[int]:
+    """Token ids of a prompt given as text, a list of chat messages, or token ids.
+
+    Text goes through the chat template (one user turn, generation prompt
+    added) when the tokenizer has one and `use_chat_template`; otherwise it
+    is encoded as is. Raises ValueError / TypeError describing a bad prompt.
+    """
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if tokenizer is not None and not all(0 <= t < len(tokenizer) for t in prompt):
+            raise ValueError(f"token ids outside the tokenizer's vocabulary [0, {len(tokenizer)})")
+        if any(t < 0 for t in prompt):
+            raise ValueError("negative token id")
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("prompt is text but no tokenizer was given")
+    has_template = bool(getattr(tokenizer, "chat_template", None)) and use_chat_template
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("empty prompt")
+        if not has_template:
+            return list(tokenizer.encode(prompt))
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
+        if not has_template:
+            raise ValueError("prompt is a list of chat messages but the tokenizer has no chat template")
+        if not any(m["content"].strip() for m in prompt):
+            raise ValueError("empty prompt (every message is empty)")
+        messages = [dict(m) for m in prompt]
+    else:
+        raise TypeError(f"prompt must be a non-empty string, a list of {{'role', 'content'}} messages or a "
+                        f"list of token ids, got {_describe(prompt)}")
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of length {len(value)}" if value else f"an empty {type(value).__name__}"
+    return type(value).__name__
+
+
+def _answer_text(answer: Any) -> str:
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise TypeError(f"answer must be a string or a number, got {_describe(answer)}")
+    text = str(answer).strip()
+    if not text:
+        raise ValueError("empty answer")
+    return text
+
+
+def record_from_row(row: dict, config: PromptDataConfig, tokenizer: Any, source: str,
+                    line: int) -> PromptRecord:
+    """Validate and tokenize one row; ValueError / TypeError / KeyError say what is wrong."""
+    if config.prompt_key not in row:
+        raise KeyError(f"missing key {config.prompt_key!r} (keys: {sorted(row)[:8]})")
+    prompt = row[config.prompt_key]
+    prompt_ids = encode_prompt(tokenizer, prompt, use_chat_template=config.use_chat_template,
+                               system_prompt=config.system_prompt)
+    if config.max_prompt_len is not None and len(prompt_ids) > config.max_prompt_len:
+        raise ValueError(f"prompt is {len(prompt_ids)} tokens, over max_prompt_len={config.max_prompt_len}")
+    metadata: dict = {"source": source, "line": line}
+    if isinstance(prompt, str):
+        metadata["prompt"] = prompt
+    if config.answer_key is not None:
+        if config.answer_key not in row:
+            raise KeyError(f"missing key {config.answer_key!r} (keys: {sorted(row)[:8]})")
+        metadata["answer"] = _answer_text(row[config.answer_key])
+    for key in config.extra_keys:
+        if key in row:
+            metadata[key] = row[key]
+    return PromptRecord(prompt_ids, metadata)
+
+
+def load_prompts(config: PromptDataConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[BadRow]]:
+    """All valid records of `config.path` and the bad rows (raises at the first bad row if on_bad_row="error")."""
+    config.validate()
+    source = str(Path(config.path))
+    records: list[PromptRecord] = []
+    bad: list[BadRow] = []
+    for line, row in read_rows(config.path, split=config.split):
+        if not isinstance(row, BadRow):
+            try:
+                records.append(record_from_row(row, config, tokenizer, source, line))
+                continue
+            except (KeyError, TypeError, ValueError) as err:
+                reason = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+                row = BadRow(source, line, str(reason))
+        if config.on_bad_row == "error":
+            raise ValueError(f"bad prompt row {row} (set on_bad_row=skip to skip such rows)")
+        if len(bad) < _LOGGED_BAD_ROWS:
+            logger.warning("skipping bad prompt row %s", row)
+        bad.append(row)
+    if len(bad) > _LOGGED_BAD_ROWS:
+        logger.warning("skipped %d bad prompt rows in %s in all (first %d logged)", len(bad), source,
+                       _LOGGED_BAD_ROWS)
+    if not records:
+        raise ValueError(f"prompt data {source!r} has no valid rows ({len(bad)} bad"
+                         + (f", first: {bad[0]}" if bad else "") + ")")
+    return records, bad
+
+
+def fingerprint(records: Sequence[PromptRecord]) -> int:
+    """crc32 over every record's token ids: resuming on different data is an error, not a silent mix."""
+    crc = 0
+    for record in records:
+        crc = zlib.crc32(np.asarray(record.prompt_ids, np.int64).tobytes(), crc)
+        crc = zlib.crc32(b"|", crc)
+    return crc
+
+
+class PromptStream:
+    """Endless, deterministic, resumable stream of `PromptItem`s over `records` (see module doc)."""
+
+    def __init__(self, records: Sequence[PromptRecord], *, seed: int = 0, shuffle: bool = True,
+                 bad_rows: Sequence[BadRow] = ()):
+        if not records:
+            raise ValueError("PromptStream needs at least one prompt record")
+        self.records = list(records)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.bad_rows = list(bad_rows)
+        self._fingerprint = fingerprint(self.records)
+        self.epoch = 0
+        self.position = 0  # index into this epoch's order of the next record
+        self._order = self._epoch_order(0)
+
+    @classmethod
+    def from_config(cls, config: PromptDataConfig, tokenizer: Any) -> "PromptStream":
+        records, bad = load_prompts(config, tokenizer)
+        return cls(records, seed=config.seed, shuffle=config.shuffle, bad_rows=bad)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        n = len(self.records)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    def next(self) -> PromptItem:
+        """The next prompt; a new epoch (new permutation) starts after the last one."""
+        if self.position == len(self.records):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._epoch_order(self.epoch)
+        row = int(self._order[self.position])
+        record = self.records[row]
+        item = PromptItem(prompt_index=self.epoch * len(self.records) + self.position,
+                          prompt_ids=list(record.prompt_ids),
+                          metadata={**record.metadata, "row": row, "epoch": self.epoch})
+        self.position += 1
+        return item
+
+    def take(self, n: int) -> list[PromptItem]:
+        return [self.next() for _ in range(n)]
+
+    def __iter__(self) -> Iterator[PromptItem]:
+        while True:
+            yield self.next()
+
+    def state_dict(self) -> dict:
+        """JSON-able position: the next `next()` after `load_state_dict` of this returns the same prompt."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
+                "num_prompts": len(self.records), "fingerprint": self._fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_prompts") != len(self.records) or state.get("fingerprint") != self._fingerprint:
+            raise ValueError(f"prompt data changed since this state was saved: it had {state.get('num_prompts')} "
+                             f"prompts (fingerprint {state.get('fingerprint')}), the data now has "
+                             f"{len(self.records)} (fingerprint {self._fingerprint})")
+        if not 0 <= int(state["position"]) <= len(self.records) or int(state["epoch"]) < 0:
+            raise ValueError(f"prompt stream state out of range: epoch {state['epoch']}, "
+                             f"position {state['position']} of {len(self.records)}")
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state["shuffle"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)

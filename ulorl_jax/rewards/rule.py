@@ -1,0 +1,43 @@
+"""The rule-based reward: 1 iff the final answer is equivalent to the reference (ULORL.md §4).
+
+`rule_reward` is the whole rule as one pure function (extract -> quick rules
+-> math-verify). The scorer splits it: `quick_rule_reward` runs in-process
+and decides most samples (equal strings, plain numbers); only the rest go to
+`math_verify_reward` in a sandboxed worker, because math-verify can hang.
+"""
+
+from __future__ import annotations
+
+from ulorl_jax.rewards.equivalence import answers_equivalent, math_verify_equivalence, quick_equivalence
+from ulorl_jax.rewards.extract import extract_answer, last_boxed
+
+
+def reference_answer(reference: str) -> str:
+    """The reference's short answer: the content of its last \\boxed{} if it has one, else itself."""
+    boxed = last_boxed(reference) if "\\boxed" in reference or "\\fbox" in reference else None
+    return (boxed if boxed is not None else reference).strip()
+
+
+def quick_rule_reward(answer: str, reference: str) -> float | None:
+    """1.0 / 0.0 when cheap rules decide, None when math-verify must judge."""
+    verdict = quick_equivalence(answer, reference)
+    return None if verdict is None else float(verdict)
+
+
+def math_verify_reward(answer: str, reference: str) -> float:
+    """math-verify's verdict as 0/1 (run it under a timeout: rewards/sandbox.py)."""
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we enforce it
+    return float(math_verify_equivalence(answer, reference, timeout_s=None))
+
+
+def rule_reward(text: str, reference: str, *, answer_pattern: str | None = None,
+                truncated: bool = False, timeout_s: int | None = 5) -> float:
+    """Unsandboxed reference version of the rule: 0 if truncated or no answer, else 0/1 by equivalence."""
+    if truncated:
+        return 0.0
+    answer = extract_answer(text, answer_pattern)
+    if answer is None:
+        return 0.0
+    return float(answers_equivalent(answer, reference_answer(reference), timeout_s=timeout_s))
