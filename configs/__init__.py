@@ -1,0 +1,1 @@
+"""Shipped run configurations (YAML), imported as ulorl_jax.configs."""

@@ -1,0 +1,567 @@
+"""Run configuration: a typed schema of every option, YAML files, `key=value` overrides.
+
+One nested dataclass per concern (model, mesh, data, rollout, algorithm, optim,
+trainer, reward, eval, checkpoint, logging), composed into `RunConfig`. Files
+and overrides are merged onto the schema by OmegaConf; unknown keys, wrong types
+and out-of-range values are `ConfigError`s that name the key (with its full
+dotted path), the value and what was expected. Names follow verl where the
+concept matches (`rollout.n`, `ppo_mini_batch_size`, `clip_ratio_low`, ...).
+
+Defaults are the paper's recipe (ULORL.md "Rest of the recipe") wherever it
+gives a value; the model and the data have no default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ulorl_jax.models.config import (
+    ATTENTION_IMPLS,
+    MOE_IMPLS,
+    ConfigError,  # the same class as ulorl_jax.models.config.ConfigError (a ValueError)
+    ModelConfig,
+    resolve_dtype,
+)
+
+__all__ = [
+    "ConfigError", "RunConfig", "ModelOptions", "MeshOptions", "DataOptions", "RolloutOptions",
+    "AlgorithmOptions", "OptimOptions", "TrainerOptions", "RewardOptions", "EvalOptions",
+    "CheckpointOptions", "LoggingOptions", "load_config", "config_to_yaml", "config_to_dict",
+    "shipped_configs", "CHOICES",
+]
+
+# Allowed values of the enum-like string options, by dotted key.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.attention_impl": ATTENTION_IMPLS,
+    "model.moe_impl": MOE_IMPLS,
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "data.on_bad_row": ("skip", "error"),
+    "rollout.backend": ("engine", "jetstream"),
+    "algorithm.is_mode": ("pois", "sais"),  # ULORL.md §2 (TOIS = pois with one segment)
+    "algorithm.mask_mode": ("none", "mpt", "dmmpt"),  # ULORL.md §3
+    "algorithm.entropy_mode": ("sample", "batch"),  # per-sample H̄_i (paper) or batch mean
+    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean"),
+    "reward.kind": ("rule", "verifier", "custom"),
+    "checkpoint.on_save_error": ("stop", "continue"),
+}
+# Runtime fields of ModelConfig that live in `model.*`, not in `model.arch`.
+_RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_impl")
+
+
+@dataclasses.dataclass
+class ModelOptions:
+    # HF folder (config.json + safetensors) or ulorl folder; null = a fresh random model built from `arch`.
+    path: str | None = None
+    # ModelConfig fields (HF config.json names). With path null: the architecture of the fresh model.
+    # With path set: the values the checkpoint must have (checked at load; a YAML documents its model).
+    arch: dict[str, Any] | None = None
+    # ModelConfig fields replaced after loading, e.g. rope_scaling for YaRN.
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tokenizer: str | None = None  # HF tokenizer folder; null = the one in `path` (or the synthetic task's)
+    dtype: str = "float32"  # activations
+    param_dtype: str = "float32"
+    attention_impl: str = "xla"
+    moe_impl: str = "ragged"
+
+    def model_config(self, loaded: ModelConfig | None = None) -> ModelConfig:
+        """The ModelConfig to build: `loaded` (a checkpoint's) or `arch`, checked, overridden, runtime set."""
+        runtime = {name: getattr(self, name) for name in _RUNTIME_MODEL_FIELDS}
+        if loaded is None:
+            if self.arch is None:
+                raise ConfigError("model.arch is needed to build a fresh model (model.path is null)")
+            return ModelConfig(**{**self.arch, **self.overrides, **runtime})
+        for name, want in (self.arch or {}).items():
+            have = getattr(loaded, name)
+            if _normalise(have) != _normalise(want):
+                raise ConfigError(f"model.arch.{name}={want!r} but the checkpoint {self.path} has {have!r}")
+        return loaded.replace(**self.overrides, **runtime)
+
+
+def _normalise(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+@dataclasses.dataclass
+class MeshOptions:
+    """Device mesh (sharding.MeshConfig): sizes positive, or -1 (one axis) for the remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    expert: int = 1
+    tensor: int = 1
+
+    def mesh_config(self):
+        from ulorl_jax.sharding import MeshConfig
+
+        return MeshConfig(data=self.data, fsdp=self.fsdp, expert=self.expert, tensor=self.tensor)
+
+
+@dataclasses.dataclass
+class DataOptions:
+    train_files: list[str] = dataclasses.field(default_factory=list)  # jsonl / parquet
+    eval_files: list[str] = dataclasses.field(default_factory=list)  # held-out sets for `eval`
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    shuffle_seed: int = 0
+    apply_chat_template: bool = True
+    on_bad_row: str = "skip"  # skip (counted and logged) | error
+    max_prompt_len: int | None = 1024  # tokens; longer prompts are bad rows; null = no limit
+    # Knobs of a generated task (see ulorl_jax.data); null when reading files.
+    synthetic: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class RolloutOptions:
+    backend: str = "engine"  # in-process PolicyEngine | JetStream orchestrator
+    global_max_len: int = 131072  # max response tokens (ULORL.md §1)
+    num_segments: int = 8  # segment_len = global_max_len / num_segments
+    n: int = 8  # samples per prompt (GRPO group size G)
+    temperature: float = 0.85
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    max_concurrent_decodes: int | None = None  # decode slots; null = the whole batch at once
+    prefill_buckets: list[int] | None = None  # padded prompt lengths; null = powers of two
+
+    @property
+    def segment_len(self) -> int:
+        return self.global_max_len // self.num_segments
+
+
+@dataclasses.dataclass
+class AlgorithmOptions:
+    is_mode: str = "pois"  # importance sampling under segments (ULORL.md §2)
+    mask_mode: str = "dmmpt"  # masking of well-mastered positive tokens (ULORL.md §3)
+    tau: float = 0.99  # MPT probability threshold
+    sigma: float = 0.2  # DMMPT target entropy
+    entropy_mode: str = "sample"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    loss_agg_mode: str = "token-mean"  # Eq. 10
+    entropy_coeff: float = 0.0
+    norm_adv_by_std: bool = True  # GRPO: divide by the group std
+    dynamic_sampling: bool = True  # DAPO: drop all-0 / all-1 groups
+    aux_loss_coef: float = 0.0  # MoE load-balancing loss weight
+
+
+@dataclasses.dataclass
+class OptimOptions:
+    """AdamW (optax.adamw) with linear warmup then a constant rate."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0  # global-norm clip; null = off
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclasses.dataclass
+class TrainerOptions:
+    train_batch_size: int = 128  # prompts per RL step
+    ppo_mini_batch_size: int = 1024  # samples per optimizer update
+    ppo_epochs: int = 1
+    micro_batch_rows: int = 1  # packed rows per gradient-accumulation micro-batch
+    row_len: int | None = None  # tokens per packed row; null = max_prompt_len + global_max_len
+    remat: bool = True  # recompute each layer in the backward pass
+    logprob_chunk: int = 1024  # positions per chunk of the vocab projection
+    total_steps: int = 100
+    eval_every: int = 0  # RL steps between held-out evals; 0 = never
+    seed: int = 0
+    max_consecutive_skips: int = 10  # steps with no trainable group before stopping with an error
+    # DAPO dynamic sampling: rollout rounds (fresh prompts, same weights) per step until
+    # train_batch_size groups with unequal rewards are ready; 1 = train on what one round gives.
+    dynamic_sampling_max_rounds: int = 1
+    sft_steps: int = 0  # supervised warm start on noisy synthetic traces; 0 = none
+    sft_lr: float = 1e-4
+    sft_batch_size: int | None = None  # samples per warm-start step; null = train_batch_size * rollout.n
+
+
+@dataclasses.dataclass
+class RewardOptions:
+    kind: str = "rule"  # rule (math-verify) | verifier (generative judge) | custom (python function)
+    answer_pattern: str | None = None  # regex whose group 1 is the final answer; null = last \boxed{...}
+    timeout_s: float = 5.0  # per-sample equivalence check
+    custom_fn: str | None = None  # "module:function" (kind=custom)
+    verifier_model: str | None = None  # model folder (kind=verifier)
+
+
+@dataclasses.dataclass
+class EvalOptions:
+    k: int = 32  # avg@k
+    temperature: float = 0.85
+    top_k: int = 20
+    top_p: float = 0.95
+    max_new_tokens: int | None = None  # null = rollout.global_max_len
+
+
+@dataclasses.dataclass
+class CheckpointOptions:
+    save_every: int = 50  # RL steps; 0 = only at the end
+    keep_last: int = 3
+    async_save: bool = True
+    on_save_error: str = "stop"  # stop | continue (log and keep training)
+
+
+@dataclasses.dataclass
+class LoggingOptions:
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "ulorl"
+    log_every: int = 1
+
+
+@dataclasses.dataclass
+class RunConfig:
+    model: ModelOptions = dataclasses.field(default_factory=ModelOptions)
+    mesh: MeshOptions = dataclasses.field(default_factory=MeshOptions)
+    data: DataOptions = dataclasses.field(default_factory=DataOptions)
+    rollout: RolloutOptions = dataclasses.field(default_factory=RolloutOptions)
+    algorithm: AlgorithmOptions = dataclasses.field(default_factory=AlgorithmOptions)
+    optim: OptimOptions = dataclasses.field(default_factory=OptimOptions)
+    trainer: TrainerOptions = dataclasses.field(default_factory=TrainerOptions)
+    reward: RewardOptions = dataclasses.field(default_factory=RewardOptions)
+    eval: EvalOptions = dataclasses.field(default_factory=EvalOptions)
+    checkpoint: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
+    logging: LoggingOptions = dataclasses.field(default_factory=LoggingOptions)
+
+
+# --- the schema as dotted keys -------------------------------------------------------------
+
+# Options whose value is a free-form dict: keys below them are not schema keys.
+_DICT_KEYS = ("model.arch", "model.overrides", "data.synthetic")
+
+
+def _schema(cls=RunConfig, prefix: str = "") -> dict[str, str]:
+    """Every leaf key of the schema -> its type, as written in the dataclass ('float', 'int | None')."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, str] = {}
+    for field in dataclasses.fields(cls):
+        key = prefix + field.name
+        if dataclasses.is_dataclass(hints[field.name]):
+            out.update(_schema(hints[field.name], key + "."))
+        else:
+            out[key] = field.type if isinstance(field.type, str) else str(field.type)
+    return out
+
+
+SCHEMA: dict[str, str] = _schema()
+_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def _closest_key(key: str, candidates) -> str:
+    """The most similar valid key: same section first, then by leaf name anywhere, then overall."""
+    candidates = list(candidates)
+    parent, _, leaf = key.rpartition(".")
+    siblings = [c for c in candidates if c.rpartition(".")[0] == parent]
+    for pool, query, strip in ((siblings, leaf, True), (candidates, leaf, True), (candidates, key, False)):
+        names = [c.rpartition(".")[2] if strip else c for c in pool]
+        match = difflib.get_close_matches(query, names, n=1, cutoff=0.6)
+        if match:
+            return pool[names.index(match[0])]
+    scored = sorted(candidates, key=lambda c: -difflib.SequenceMatcher(None, key, c).ratio())
+    return scored[0]
+
+
+def _unknown(key: str, candidates, where: str) -> ConfigError:
+    return ConfigError(f"unknown option {key!r}{where}; the closest valid key is {_closest_key(key, candidates)!r}")
+
+
+def _check_keys(tree: Any, where: str, prefix: str = "") -> None:
+    """Every key of a (YAML) mapping must be in the schema; dict-valued options are free below."""
+    if not isinstance(tree, dict):
+        if prefix == "":
+            raise ConfigError(f"{where.strip(' ()') or 'config'}: expected a mapping of sections, got {tree!r}")
+        return
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if not isinstance(name, str):
+            raise ConfigError(f"option name {key!r}{where} is not a string")
+        if key in SCHEMA:
+            if key.startswith("model.arch") or key.startswith("model.overrides"):
+                _check_model_fields(key, value)
+            continue
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"section {key!r}{where} must be a mapping of options, got {value!r}")
+            _check_keys(value, where, key + ".")
+            continue
+        raise _unknown(key, list(SCHEMA) + list(_SECTIONS), where)
+
+
+def _check_model_fields(key: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        return  # None, or a type error OmegaConf reports
+    valid = [f for f in ModelConfig.field_names() if f not in _RUNTIME_MODEL_FIELDS]
+    for name in value:
+        if name in _RUNTIME_MODEL_FIELDS:
+            raise ConfigError(f"{key}.{name}: set model.{name} instead (a runtime choice, not architecture)")
+        if name not in valid:
+            raise _unknown(f"{key}.{name}", [f"{key}.{v}" for v in valid], "")
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def shipped_configs() -> list[str]:
+    """Names of the YAMLs shipped in ulorl_jax.configs (e.g. 'tiny_cpu')."""
+    root = importlib.resources.files("ulorl_jax.configs")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(path: str) -> tuple[dict, str]:
+    """Text of a YAML file, or of a shipped config given by bare name; returns (mapping, description)."""
+    file = Path(path)
+    if file.is_file():
+        text, where = file.read_text(), str(file)
+    elif not any(sep in path for sep in ("/", "\\")) and path.removesuffix(".yaml") in shipped_configs():
+        name = path.removesuffix(".yaml")
+        text = importlib.resources.files("ulorl_jax.configs").joinpath(name + ".yaml").read_text()
+        where = f"shipped config {name}"
+    else:
+        raise ConfigError(f"config file {path!r} not found (shipped configs: {', '.join(shipped_configs())})")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML: {err}") from None
+    return (data or {}), where
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. algorithm.sigma=0.3)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if key in _SECTIONS:
+        example = next(k for k in SCHEMA if k.startswith(key + "."))
+        raise ConfigError(f"override {item!r}: {key!r} is a section; set one of its keys, e.g. {example}=...")
+    if key not in SCHEMA:
+        head = next((d for d in _DICT_KEYS if key.startswith(d + ".")), None)
+        if head is None:
+            raise _unknown(key, list(SCHEMA), " in overrides")
+        if head != "data.synthetic":
+            _check_model_fields(head, {key[len(head) + 1:].split(".")[0]: None})
+    return key, raw
+
+
+def _omegaconf_error(err: OmegaConfBaseException, given: dict[str, Any], where: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    if key not in SCHEMA and len(given) == 1:  # e.g. a tuple length error carries no key
+        key = next(iter(given))
+    msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if key in SCHEMA:
+        value = given.get(key, getattr(err, "value", None))
+        return ConfigError(f"{key}={value!r}{where}: expected {SCHEMA[key]} ({msg})")
+    if key and key not in SCHEMA and isinstance(err, KeyError):
+        return _unknown(key, list(SCHEMA), where)
+    return ConfigError(f"{key or 'config'}{where}: {msg}")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    if isinstance(tree, dict):
+        for name, value in tree.items():
+            key = f"{prefix}{name}"
+            if key in SCHEMA or not isinstance(value, dict):
+                out[key] = value
+            else:
+                out.update(_flatten(value, key + "."))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_node():
+    """The structured schema node (merges copy it, so one instance serves every load)."""
+    return OmegaConf.structured(RunConfig)
+
+
+def _merge_override(merged, key: str, raw: str):
+    try:
+        return OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={raw}"]))
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, {key: raw}, " (in overrides)") from None
+    except yaml.YAMLError as err:  # OmegaConf parses the value as YAML
+        raise ConfigError(f"override {key}={raw!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
+    """Schema defaults <- YAML file `path` (a file, or a shipped name like 'tiny_cpu') <- `key=value` overrides.
+
+    Raises ConfigError naming the bad key, value and what was expected.
+    """
+    merged = _schema_node()
+    given: dict[str, Any] = {}
+    if path is not None:
+        data, where = _read_yaml(str(path))
+        _check_keys(data, f" (in {where})")
+        given.update(_flatten(data))
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.create(data))
+        except OmegaConfBaseException as err:
+            raise _omegaconf_error(err, _flatten(data), f" (in {where})") from None
+    pairs = [_parse_override(item) for item in overrides]
+    given.update(pairs)
+    if pairs:
+        try:  # all at once (OmegaConf merges are slow); one by one only to name a failing override
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs]))
+        except (OmegaConfBaseException, yaml.YAMLError):
+            for key, raw in pairs:
+                merged = _merge_override(merged, key, raw)
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _omegaconf_error(err, given, "") from None
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict (lists for tuples), loadable again by `load_config`."""
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+# --- cross-field validation ----------------------------------------------------------------
+
+
+def _require(ok: bool, key: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Range and cross-field checks; raises ConfigError naming the key, value and expectation."""
+    flat = _flatten(config_to_dict(cfg))
+    for key, value in flat.items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(f"{key}={value!r}: expected a finite number")
+    for key, allowed in CHOICES.items():
+        value = flat[key]
+        if value not in allowed:
+            match = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f" (did you mean {match[0]!r}?)" if match else ""
+            raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}{hint}")
+    resolve_dtype(cfg.model.dtype, option="model.dtype")
+
+    m = cfg.model
+    _check_model_fields("model.arch", m.arch)  # again: a whole-dict override skips the per-key check
+    _check_model_fields("model.overrides", m.overrides)
+    if m.path is None and m.arch is None:
+        raise ConfigError("model.path and model.arch are both null: set a checkpoint folder or an architecture")
+    if m.path is None:
+        try:
+            m.model_config()
+        except (ConfigError, TypeError) as err:
+            raise ConfigError(f"model.arch: {err}") from None
+
+    mesh = cfg.mesh
+    sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "tensor")}
+    for axis, size in sizes.items():
+        _require(size >= 1 or size == -1, f"mesh.{axis}", size, "a positive size or -1 (the remaining devices)")
+    fill = [a for a, s in sizes.items() if s == -1]
+    _require(len(fill) <= 1, "mesh", sizes, f"at most one axis set to -1, got {fill}")
+
+    d = cfg.data
+    if not d.train_files and d.synthetic is None:
+        raise ConfigError("data.train_files is empty and data.synthetic is null: give training data")
+    _require(d.max_prompt_len is None or d.max_prompt_len >= 1, "data.max_prompt_len", d.max_prompt_len,
+             "a positive token count or null")
+
+    r = cfg.rollout
+    _require(r.global_max_len >= 1, "rollout.global_max_len", r.global_max_len, "a positive token count")
+    _require(r.num_segments >= 1, "rollout.num_segments", r.num_segments, ">= 1")
+    _require(r.global_max_len % r.num_segments == 0, "rollout.num_segments", r.num_segments,
+             f"a divisor of rollout.global_max_len={r.global_max_len}")
+    _require(r.n >= 2, "rollout.n", r.n, ">= 2 samples per prompt (GRPO normalises within each group)")
+    _require(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0 (0 = greedy)")
+    _require(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0 (0 = off)")
+    _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
+    _require(r.max_concurrent_decodes is None or r.max_concurrent_decodes >= 1, "rollout.max_concurrent_decodes",
+             r.max_concurrent_decodes, ">= 1 or null")
+    if r.prefill_buckets is not None:
+        b = r.prefill_buckets
+        _require(len(b) > 0 and all(x >= 1 for x in b) and list(b) == sorted(set(b)), "rollout.prefill_buckets", b,
+                 "a non-empty, strictly increasing list of positive lengths, or null")
+
+    a = cfg.algorithm
+    _require(0 < a.tau <= 1, "algorithm.tau", a.tau, "a probability in (0, 1]")
+    _require(a.sigma > 0, "algorithm.sigma", a.sigma, "a target entropy > 0")
+    _require(a.clip_ratio_low >= 0, "algorithm.clip_ratio_low", a.clip_ratio_low, ">= 0")
+    _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
+    _require(a.aux_loss_coef >= 0, "algorithm.aux_loss_coef", a.aux_loss_coef, ">= 0")
+
+    o = cfg.optim
+    _require(o.lr > 0, "optim.lr", o.lr, "> 0")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, ">= 0")
+    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0")
+    _require(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "> 0 or null (off)")
+    _require(all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas), "two values in [0, 1)")
+    _require(o.eps > 0, "optim.eps", o.eps, "> 0")
+
+    t = cfg.trainer
+    for name in ("train_batch_size", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_rows", "logprob_chunk",
+                 "max_consecutive_skips", "dynamic_sampling_max_rounds"):
+        _require(getattr(t, name) >= 1, f"trainer.{name}", getattr(t, name), ">= 1")
+    for name in ("total_steps", "eval_every", "sft_steps"):
+        _require(getattr(t, name) >= 0, f"trainer.{name}", getattr(t, name), ">= 0")
+    _require(t.sft_lr > 0, "trainer.sft_lr", t.sft_lr, "> 0")
+    _require(t.sft_batch_size is None or t.sft_batch_size >= 1, "trainer.sft_batch_size", t.sft_batch_size,
+             ">= 1 or null")
+    samples = t.train_batch_size * r.n
+    _require(samples % t.ppo_mini_batch_size == 0, "trainer.ppo_mini_batch_size", t.ppo_mini_batch_size,
+             f"a divisor of trainer.train_batch_size * rollout.n = {t.train_batch_size} * {r.n} = {samples}")
+    if t.row_len is not None:
+        longest = (d.max_prompt_len or 0) + r.global_max_len
+        _require(t.row_len >= longest, "trainer.row_len", t.row_len,
+                 f">= data.max_prompt_len + rollout.global_max_len = {longest} (one sample must fit a row), "
+                 "or null")
+
+    w = cfg.reward
+    _require(w.timeout_s > 0, "reward.timeout_s", w.timeout_s, "> 0 seconds")
+    if w.answer_pattern is not None:
+        try:
+            re.compile(w.answer_pattern)
+        except re.error as err:
+            raise ConfigError(f"reward.answer_pattern={w.answer_pattern!r}: not a valid regex ({err})") from None
+    if w.kind == "custom":
+        _require(bool(w.custom_fn) and ":" in w.custom_fn, "reward.custom_fn", w.custom_fn,
+                 "'module:function' when reward.kind=custom")
+    if w.kind == "verifier":
+        _require(bool(w.verifier_model), "reward.verifier_model", w.verifier_model,
+                 "a model folder when reward.kind=verifier")
+
+    e = cfg.eval
+    _require(e.k >= 1, "eval.k", e.k, ">= 1")
+    _require(e.temperature >= 0, "eval.temperature", e.temperature, ">= 0")
+    _require(e.top_k >= 0, "eval.top_k", e.top_k, ">= 0 (0 = off)")
+    _require(0 < e.top_p <= 1, "eval.top_p", e.top_p, "a value in (0, 1]")
+    _require(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens,
+             ">= 1 or null")
+
+    c = cfg.checkpoint
+    _require(c.save_every >= 0, "checkpoint.save_every", c.save_every, ">= 0 (0 = only at the end)")
+    _require(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, ">= 1")
+    _require(cfg.logging.log_every >= 1, "logging.log_every", cfg.logging.log_every, ">= 1")
