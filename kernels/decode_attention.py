@@ -2,7 +2,10 @@
 
 q [B, Hq, D], k_cache / v_cache [B, S, Hkv, D], lengths [B]: sequence b
 attends to cache entries 0 .. lengths[b] - 1 (semantics of
-``reference.decode_attention_reference``).
+``reference.decode_attention_reference``). Optional segment ids
+(``q_segment_ids`` [B], ``kv_segment_ids`` [B, S]) further restrict it to
+entries of its own segment: that is how a left-padded prompt's padding
+(segment 0 in the model's KV cache) stays invisible to the real tokens.
 
 A single query row gives too little parallelism per (batch, head), so the KV
 axis is split into ``num_splits`` chunks handled by independent programs
@@ -50,9 +53,14 @@ def default_decode_params(backend: str | None = None) -> dict[str, int]:
 
 
 def _decode_kernel(
-    len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-    *, sm_scale: float, block_k: int, blocks_per_split: int, n_blocks: int,
+    *refs, sm_scale: float, block_k: int, blocks_per_split: int, n_blocks: int,
+    has_segments: bool,
 ):
+    if has_segments:
+        len_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref = refs
+    else:
+        len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        qseg_ref = kseg_ref = None
     split = pl.program_id(2)
     length = len_ref[()]  # scalar int32
     q = q_ref[...]  # [Gp, D]: the query heads of one kv head
@@ -64,6 +72,8 @@ def _decode_kernel(
         v = v_ref[ks, :]  # [bk, D]
         s = _dot_nt(q, k) * sm_scale  # 'gd,kd->gk' [Gp, bk] f32
         valid = (j * block_k + jnp.arange(block_k)) < length  # [bk]
+        if has_segments:
+            valid = valid & (kseg_ref[ks] == qseg_ref[()])  # own segment only
         mask = jnp.broadcast_to(valid[None, :], s.shape)
         s = jnp.where(mask, s, NEG_INF)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -109,6 +119,8 @@ def decode_attention(
     v_cache: jax.Array,
     lengths: jax.Array,
     *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     num_splits: int | None = None,
     block_k: int | None = None,
     sm_scale: float | None = None,
@@ -121,6 +133,9 @@ def decode_attention(
       k_cache, v_cache: [B, S, Hkv, D], Hq % Hkv == 0, same dtype as q.
       lengths: [B] int, valid cache entries per sequence (clipped to [0, S];
         length 0 gives output 0).
+      q_segment_ids, kv_segment_ids: optional [B] / [B, S] int (both or
+        neither): entry s is visible only if kv_segment_ids[b, s] ==
+        q_segment_ids[b]. A query with no visible entry outputs 0.
       num_splits: parallel chunks of the KV axis (capped at S / block_k).
       block_k: keys per inner step, a power of two >= 16.
       sm_scale: logit scale, default 1 / sqrt(D).
@@ -139,6 +154,12 @@ def decode_attention(
     if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q/k/v dtypes must match and be f32/bf16/f16, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    has_segments = q_segment_ids is not None
+    if has_segments != (kv_segment_ids is not None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if has_segments and (q_segment_ids.shape != (b,) or kv_segment_ids.shape != (b, s_len)):
+        raise ValueError(f"segment ids must be q [B]={(b,)} and kv [B, S]={(b, s_len)}, got "
+                         f"{q_segment_ids.shape}, {kv_segment_ids.shape}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     defaults = default_decode_params()
@@ -169,18 +190,28 @@ def decode_attention(
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, s_len)
 
     kv_spec = pl.BlockSpec((None, s_p, None, dp), lambda bi, h, sp: (bi, 0, h, 0))
+    row_spec = pl.BlockSpec((None,), lambda bi, h, sp: (bi,))  # [B] -> scalar
+    in_specs = [
+        row_spec,  # lengths
+        pl.BlockSpec((None, None, gp, dp), lambda bi, h, sp: (bi, h, 0, 0)),
+        kv_spec,
+        kv_spec,
+    ]
+    args = [lengths, qg, kc, vc]
+    if has_segments:
+        kseg = kv_segment_ids.astype(jnp.int32)
+        if s_p != s_len:
+            kseg = jnp.pad(kseg, ((0, 0), (0, s_p - s_len)))  # past every length anyway
+        in_specs += [row_spec, pl.BlockSpec((None, s_p), lambda bi, h, sp: (bi, 0))]
+        args += [q_segment_ids.astype(jnp.int32), kseg]
     o_part, lse_part = pl.pallas_call(
         functools.partial(
             _decode_kernel, sm_scale=scale, block_k=block_k,
             blocks_per_split=blocks_per_split, n_blocks=n_blocks,
+            has_segments=has_segments,
         ),
         grid=(b, hkv, num_splits),
-        in_specs=[
-            pl.BlockSpec((None,), lambda bi, h, sp: (bi,)),  # lengths -> scalar
-            pl.BlockSpec((None, None, gp, dp), lambda bi, h, sp: (bi, h, 0, 0)),
-            kv_spec,
-            kv_spec,
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, gp, dp), lambda bi, h, sp: (bi, h, sp, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda bi, h, sp: (bi, h, sp, 0)),
@@ -192,7 +223,7 @@ def decode_attention(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=bool(interpret),
         name="decode_attention_split_kv",
-    )(lengths, qg, kc, vc)
+    )(*args)
 
     o = _combine(o_part, lse_part)  # [B, Hkv, Gp, Dp] f32
     return o[:, :, :g, :d].reshape(b, hq, d).astype(q.dtype)

@@ -1,7 +1,8 @@
 """``attention``: the one entry point models call; picks an implementation.
 
 impl:
-  * "pallas": ``flash_attention`` (interpret mode on CPU, Triton on GPU).
+  * "pallas": ``flash_attention`` (interpret mode on CPU, Triton on GPU);
+              on TPU JAX's splash attention (``tpu.splash_attention``).
   * "xla":    ``mha_reference`` (plain jnp, XLA fuses it).
   * "cudnn":  ``jax.nn.dot_product_attention(implementation="cudnn")`` on GPU.
 
@@ -9,6 +10,17 @@ A request a backend cannot serve falls back to "xla" and logs why (logger
 ``ulorl_jax.kernels.dispatch``, WARNING) rather than returning something
 silently different. Checks run at trace time, so under ``jax.jit`` the message
 appears once per compilation, not once per step.
+
+``decode`` does the same for one query token per sequence against a KV
+cache: "pallas" is ``decode_attention`` (split-KV) on CPU / GPU; on TPU there
+is no decode kernel yet and it falls back to "xla" with a logged reason.
+
+``gmm`` does the same for the MoE grouped matmul: "pallas" is
+``grouped_matmul`` on CPU / GPU and megablox ``gmm`` on TPU; "ragged" is
+``jax.lax.ragged_dot`` (the reference).
+
+The platform comes from ``platform.backend()``, which tests replace to check
+the TPU routing on CPU.
 """
 
 from __future__ import annotations
@@ -18,12 +30,16 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from . import platform, tpu
+from .decode_attention import decode_attention
 from .flash_attention import SUPPORTED_DTYPES, flash_attention
-from .reference import mha_reference
+from .grouped_matmul import grouped_matmul
+from .reference import decode_attention_reference, mha_reference
 
-__all__ = ["attention", "IMPLS"]
+__all__ = ["attention", "IMPLS", "decode", "gmm", "GMM_IMPLS"]
 
 IMPLS = ("pallas", "xla", "cudnn")
+GMM_IMPLS = ("pallas", "ragged")
 logger = logging.getLogger(__name__)
 
 # Untested beyond this on GPU (register pressure of the [block, D] tiles).
@@ -43,7 +59,7 @@ def _shape_problem(q, k, v, causal, segment_ids) -> str | None:
 
 def _pallas_problem(q, k, v, causal, segment_ids) -> str | None:
     """Reason ``flash_attention`` cannot serve this call, or None."""
-    backend = jax.default_backend()
+    backend = platform.backend()
     if backend not in ("cpu", "gpu"):
         return (f"no Pallas attention kernel for backend {backend!r} "
                 "(GPU/Triton and CPU interpret only)")
@@ -63,7 +79,7 @@ def _pallas_problem(q, k, v, causal, segment_ids) -> str | None:
 
 
 def _cudnn_problem(q, k, v, causal, segment_ids) -> str | None:
-    backend = jax.default_backend()
+    backend = platform.backend()
     if backend != "gpu":
         return f"cuDNN attention needs a GPU, default backend is {backend!r}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -73,8 +89,8 @@ def _cudnn_problem(q, k, v, causal, segment_ids) -> str | None:
     return None
 
 
-def _fallback(impl: str, reason: str) -> None:
-    logger.warning("attention impl=%r falls back to 'xla': %s", impl, reason)
+def _fallback(impl: str, reason: str, what: str = "attention", to: str = "xla") -> None:
+    logger.warning("%s impl=%r falls back to %r: %s", what, impl, to, reason)
 
 
 def attention(
@@ -122,9 +138,77 @@ def attention(
         _fallback(impl, reason)
         return xla()
 
+    if platform.backend() == "tpu":
+        reason = tpu.splash_problem(q, k, v, causal, segment_ids)
+        if reason is None:
+            return tpu.splash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                        sm_scale=sm_scale, interpret=platform.interpret_default())
+        _fallback(impl, reason)
+        return xla()
     reason = _pallas_problem(q, k, v, causal, segment_ids)
     if reason is not None:
         _fallback(impl, reason)
         return xla()
     return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
                            sm_scale=sm_scale)
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "pallas") -> jax.Array:
+    """Grouped matmul, ``jax.lax.ragged_dot`` contract: lhs [M, K] rows sorted by
+    group, rhs [G, K, N], group_sizes [G] -> [M, N] in lhs.dtype.
+
+    impl "pallas": ``grouped_matmul`` (CPU interpret / GPU Triton) or megablox
+    on TPU; "ragged": ``jax.lax.ragged_dot``. Unsupported cases fall back to
+    ragged_dot with a logged reason.
+    """
+    if impl not in GMM_IMPLS:
+        raise ValueError(f"unknown grouped matmul impl {impl!r}; allowed: {GMM_IMPLS}")
+    ragged = lambda: jax.lax.ragged_dot(lhs, rhs, group_sizes)  # noqa: E731
+    if impl == "ragged":
+        return ragged()
+    backend = platform.backend()
+    if lhs.dtype != rhs.dtype or lhs.dtype not in SUPPORTED_DTYPES:
+        reason = f"kernel needs one dtype in f32/bf16/f16 for lhs / rhs, got {lhs.dtype}, {rhs.dtype}"
+    elif backend == "tpu":
+        return tpu.megablox_gmm(lhs, rhs, group_sizes, interpret=platform.interpret_default())
+    elif backend in ("cpu", "gpu"):
+        return grouped_matmul(lhs, rhs, group_sizes)
+    else:
+        reason = f"no Pallas grouped matmul for backend {backend!r}"
+    _fallback(impl, reason, what="grouped matmul", to="ragged")
+    return ragged()
+
+
+def decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    impl: str = "pallas",
+) -> jax.Array:
+    """One query token per sequence against a KV cache (see ``decode_attention``).
+
+    q [B, Hq, D]; caches [B, S, Hkv, D]; lengths [B]; optional q_segment_ids [B]
+    and kv_segment_ids [B, S] -> [B, Hq, D]. impl "pallas" or "xla".
+    """
+    if impl not in ("pallas", "xla"):
+        raise ValueError(f"unknown decode attention impl {impl!r}; allowed: ('pallas', 'xla')")
+    xla = lambda: decode_attention_reference(  # noqa: E731
+        q, k_cache, v_cache, lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    if impl == "xla":
+        return xla()
+    backend = platform.backend()
+    if backend not in ("cpu", "gpu"):
+        reason = f"no Pallas decode attention kernel for backend {backend!r} (GPU/Triton and CPU interpret only)"
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        reason = f"kernel needs one dtype in f32/bf16/f16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+    elif k_cache.shape != v_cache.shape or k_cache.shape[0] != q.shape[0] or k_cache.shape[3] != q.shape[2]:
+        reason = f"kernel needs k.shape == v.shape and matching batch / head_dim: {q.shape}, {k_cache.shape}"
+    else:
+        return decode_attention(q, k_cache, v_cache, lengths, q_segment_ids=q_segment_ids,
+                                kv_segment_ids=kv_segment_ids)
+    _fallback(impl, reason, what="decode attention")
+    return xla()

@@ -103,6 +103,8 @@ def decode_attention_reference(
     v_cache: jax.Array,
     lengths: jax.Array,
     *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
     """One new query token per sequence against a KV cache.
@@ -112,6 +114,8 @@ def decode_attention_reference(
       k_cache, v_cache: [B, S, Hkv, D].
       lengths: [B] int, number of valid cache entries; the query attends to
         keys 0 .. lengths[b] - 1 (length 0 gives output 0).
+      q_segment_ids, kv_segment_ids: optional [B] / [B, S]: key s is visible
+        only if kv_segment_ids[b, s] == q_segment_ids[b] (0 rows give 0).
       sm_scale: logit scale, default 1 / sqrt(D).
 
     Returns:
@@ -130,6 +134,10 @@ def decode_attention_reference(
         precision=jax.lax.Precision.HIGHEST,
     ) * scale  # [B, Hkv, G, 1, S]
     valid = jnp.arange(s_len)[None, :] < jnp.asarray(lengths)[:, None]  # [B, S]
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    if q_segment_ids is not None:
+        valid &= kv_segment_ids == q_segment_ids[:, None]
     mask = valid[:, None, None, None, :]
     o = _masked_softmax_attend(s, mask, v_cache, q.dtype)  # [B, 1, Hkv, G, D]
     return o.reshape(b, hq, d)

@@ -71,3 +71,26 @@ def test_default_params_and_matches_last_row_of_causal_attention():
     o = decode_attention(q, k, v, lengths, interpret=INTERPRET)
     np.testing.assert_allclose(o, decode_attention_reference(q, k, v, lengths),
                                atol=2e-5, rtol=1e-5)
+
+
+def test_segment_ids_mask_left_padding():
+    # Slot b: cache entries with kv segment != the query's segment are invisible
+    # (the model's left padding is segment 0); one row sees a single entry.
+    q, k, v = _inputs(10, 3, 80, 4, 2, 16)
+    lengths = jnp.asarray([80, 41, 17], jnp.int32)
+    kv_seg = np.ones((3, 80), np.int32)
+    kv_seg[0, :37] = 0  # 37 slots of left padding
+    kv_seg[1, :5] = 0
+    kv_seg[1, 20:30] = 2  # another segment inside the window
+    kv_seg[2, :16] = 0  # only slot 16 is visible
+    kv_seg = jnp.asarray(kv_seg)
+    q_seg = jnp.asarray([1, 1, 1], jnp.int32)
+    o = decode_attention(q, k, v, lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                         num_splits=3, block_k=16, interpret=INTERPRET)
+    o_ref = decode_attention_reference(q, k, v, lengths, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=1e-5)
+    # Independent check of the masking rule: slot 2 sees only entry 16, so it
+    # returns v[2, 16] of its kv head; and padding does change the result.
+    np.testing.assert_allclose(o[2], jnp.repeat(v[2, 16], 2, axis=0), atol=1e-6)
+    unmasked = decode_attention_reference(q, k, v, lengths)
+    assert float(jnp.max(jnp.abs(unmasked[0] - o_ref[0]))) > 1e-2

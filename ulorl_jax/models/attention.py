@@ -6,8 +6,11 @@ and returns [B, Tq, Hq, D].
 
 - `xla`: plain einsum + masked softmax in float32; the reference.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
-- `pallas`: the kernels in `ulorl_jax.kernels` (training forward; the decode
-  path falls back to `xla` until the decode kernel is wired in).
+- `pallas`: the kernels in `ulorl_jax.kernels`: flash attention for the
+  training forward (splash attention on TPU); in the KV-cache path, one new
+  token per slot (generation) runs the split-KV decode kernel with the cache's
+  segment ids (left padding stays masked); multi-token prefill into a cache
+  uses `xla` (logged once).
 
 A backend that cannot serve a call falls back to `xla` and logs why, once.
 """
@@ -72,8 +75,9 @@ def cudnn_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
 
 
 def pallas_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
-    if not mask.is_self_attention:
-        warn_once(log, "pallas-decode", "attention_impl=pallas: KV-cache decode path not wired to a kernel yet; using xla")
+    if not mask.is_self_attention and q.shape[1] != 1:
+        warn_once(log, "pallas-prefill", "attention_impl=pallas: multi-token prefill into a KV cache "
+                  "has no kernel (the decode kernel takes one query per slot); using xla")
         return xla_attention(q, k, v, mask)
     try:
         from ulorl_jax import kernels
@@ -83,6 +87,12 @@ def pallas_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     if not hasattr(kernels, "attention"):
         warn_once(log, "pallas-missing", "attention_impl=pallas: ulorl_jax.kernels has no attention(); using xla")
         return xla_attention(q, k, v, mask)
+    if not mask.is_self_attention:
+        # Generation: one query per slot at cache slot q_index; it may see slots
+        # 0..q_index of its own segment (the dense mask's rule, as lengths + ids).
+        out = kernels.decode(q[:, 0], k, v, mask.q_index[:, 0] + 1, q_segment_ids=mask.q_segment_ids[:, 0],
+                             kv_segment_ids=mask.kv_segment_ids, impl="pallas")  # [B, H, Dh]
+        return out[:, None]
     return kernels.attention(q, k, v, causal=True, segment_ids=mask.q_segment_ids, impl="pallas")
 
 
