@@ -1,4 +1,4 @@
-"""UloRL learner: losses, advantages, log-probs."""
+"""UloRL learner: losses, advantages, log-probs, packing, the train step."""
 
 # Policy loss (Eq. 10) and its DMMPT mask
 from ulorl_jax.rl.losses import (
@@ -11,6 +11,7 @@ from ulorl_jax.rl.losses import (
     mpt_mask,
     token_policy_loss,
     validate_loss_inputs,
+    weighted_policy_loss,
 )
 
 # Importance sampling under segments
@@ -31,6 +32,12 @@ from ulorl_jax.rl.logprobs import (
     sample_mean_entropy,
 )
 
+# Sequence packing
+from ulorl_jax.rl.packing import PackedBatch, TrainSample, loss_weights, pack_samples, unpack_tokens
+
+# The train step and the learner
+from ulorl_jax.rl.learner import Learner, LearnerConfig, make_optimizer, policy_forward
+
 __all__ = [
     "ENTROPY_MODES",
     "IS_MODES",
@@ -41,6 +48,7 @@ __all__ = [
     "mpt_mask",
     "token_policy_loss",
     "validate_loss_inputs",
+    "weighted_policy_loss",
     "logprob_mismatch",
     "old_logprobs_for",
     "DynamicSamplingReport",
@@ -50,4 +58,13 @@ __all__ = [
     "chunked_logprobs_and_entropy",
     "full_logprobs_and_entropy",
     "sample_mean_entropy",
+    "PackedBatch",
+    "TrainSample",
+    "loss_weights",
+    "pack_samples",
+    "unpack_tokens",
+    "Learner",
+    "LearnerConfig",
+    "make_optimizer",
+    "policy_forward",
 ]

@@ -144,6 +144,26 @@ def loss_mask(
 # ---------------------------------------------------------------------------
 
 
+def clipped_surrogate(
+    logprobs: jnp.ndarray,
+    old_logprobs: jnp.ndarray,
+    advantages: jnp.ndarray,
+    response: jnp.ndarray,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â), r), elementwise; all inputs the same shape.
+
+    The log-ratio is zeroed off the response before exp: padding may hold any
+    value (even -inf), and this keeps both passes finite there.
+    """
+    log_ratio = jnp.where(response, logprobs - old_logprobs, 0.0)
+    ratio = jnp.exp(log_ratio)  # r
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)  # clip-higher: ε_low != ε_high allowed
+    return jnp.minimum(ratio * advantages, clipped_ratio * advantages), ratio
+
+
 def token_policy_loss(
     logprobs: jnp.ndarray,
     old_logprobs: jnp.ndarray,
@@ -199,12 +219,8 @@ def token_policy_loss(
         adv = adv[:, None]  # [B, 1] broadcasts over T
     adv = jnp.broadcast_to(adv, logprobs.shape)  # [B, T]
 
-    # Zero the log-ratio off the response before exp: padding may hold any
-    # value (even -inf), and this keeps both passes finite there.
-    log_ratio = jnp.where(response, logprobs - old_logprobs, 0.0)
-    ratio = jnp.exp(log_ratio)  # r, [B, T]
-    clipped_ratio = jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)  # clip-higher: ε_low != ε_high allowed
-    surrogate = jnp.minimum(ratio * adv, clipped_ratio * adv)  # [B, T]
+    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs, adv, response, clip_low=clip_low,
+                                         clip_high=clip_high)  # [B, T] each
 
     i_msk, mpt, armed = loss_mask(
         logprobs,
@@ -248,6 +264,69 @@ def token_policy_loss(
     }
     metrics = jax.tree.map(jax.lax.stop_gradient, metrics)
     return loss, metrics
+
+
+def weighted_policy_loss(
+    logprobs: jnp.ndarray,
+    old_logprobs: jnp.ndarray,
+    advantages: jnp.ndarray,
+    response_mask: jnp.ndarray,
+    token_weight: jnp.ndarray,
+    token_reward: jnp.ndarray,
+    token_sample_entropy: jnp.ndarray,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    mask_mode: str = "dmmpt",
+    tau: float = 0.99,
+    sigma: float = 0.2,
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+    """Eq. 10 for any token layout (packed rows, micro-batches) as a weighted sum.
+
+    loss = −Σ_t w_t · (1 − I_msk,t) · min(r_t·Â_t, clip(r_t, 1−ε_low, 1+ε_high)·Â_t)
+
+    Every input has the same shape (e.g. [R, L]); per-sample quantities come
+    per token: `token_reward` and `token_sample_entropy` are the reward and
+    H̄_i of the token's own sample (for entropy_mode="batch" pass the batch
+    entropy on every token). `token_weight` carries the aggregation
+    (`ulorl_jax.rl.packing.loss_weights`: 1/Σ|o_i| for token-mean), so losses
+    of micro-batches add up to the loss of their mini-batch, and with
+    token-mean weights this equals `token_policy_loss` on the unpacked batch.
+
+    Returns (loss, sums): token counts and sums that also add up over
+    micro-batches (tokens, masked_tokens, mpt_tokens, clip_low_tokens,
+    clip_high_tokens, ratio_sum) and ratio_max.
+    """
+    _check_option("mask_mode", mask_mode, MASK_MODES)
+    shape = logprobs.shape
+    response = response_mask.astype(bool)
+    logprobs = logprobs.astype(jnp.float32)
+    old_logprobs = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
+    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+    # One token = one "sample" of length 1 for the mask helpers: [N, 1] with per-token reward / H̄.
+    i_msk, mpt, _ = loss_mask(
+        logprobs.reshape(-1, 1), response.reshape(-1, 1), token_reward.reshape(-1),
+        token_sample_entropy.reshape(-1), mask_mode=mask_mode, tau=tau, sigma=sigma, entropy_mode="sample",
+    )
+    i_msk, mpt = i_msk.reshape(shape), mpt.reshape(shape)
+    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs, adv, response, clip_low=clip_low,
+                                         clip_high=clip_high)
+    keep = response & ~i_msk
+    loss = -jnp.sum(jnp.where(keep, token_weight.astype(jnp.float32) * surrogate, 0.0))
+
+    def count(x: jnp.ndarray) -> jnp.ndarray:
+        return jnp.sum((x & response).astype(jnp.float32))
+
+    sums = {
+        "tokens": count(response),
+        "masked_tokens": count(i_msk),
+        "mpt_tokens": count(mpt),
+        "clip_low_tokens": count((adv < 0) & (ratio < 1.0 - clip_low)),
+        "clip_high_tokens": count((adv > 0) & (ratio > 1.0 + clip_high)),
+        "ratio_sum": jnp.sum(jnp.where(response, ratio, 0.0)),
+        "ratio_max": jnp.max(jnp.where(response, ratio, 0.0)),
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
 # ---------------------------------------------------------------------------
