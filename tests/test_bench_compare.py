@@ -1,0 +1,33 @@
+"""`ulorl bench compare`: one run, JAX vs PyTorch learner step and decode on the same Qwen3-MoE and tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+@pytest.mark.slow
+def test_compare_runs_side_by_side(capsys):
+    from ulorl_jax.cli import main
+
+    rc = main(["bench", "compare", "--hidden-size", "32", "--layers", "1", "--experts", "4", "--vocab", "128",
+               "--moe-intermediate-size", "16", "--samples", "2", "--seq-len", "32", "--prompt-len", "8",
+               "--decode-batch", "2", "--new-tokens", "8", "--iters", "1", "--torch-compile", "off", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    L, D = r["learner_step"], r["decode"]
+    for side in ("jax", "torch_eager"):
+        assert L[side]["tokens_per_s"] == pytest.approx(2 * 32 / L[side]["median_s"])
+        assert D[side]["tokens_per_s"] == pytest.approx(2 * 8 / D[side]["median_s"])
+    assert L["ratio_jax_over_torch_eager"] == pytest.approx(L["jax"]["tokens_per_s"] / L["torch_eager"]["tokens_per_s"])
+    assert D["ratio_jax_over_torch_eager"] == pytest.approx(D["jax"]["tokens_per_s"] / D["torch_eager"]["tokens_per_s"])
+    assert L["torch_compile"]["status"] == "off" and "torch_compile" not in {k for k in L if "ratio" in k}
+    assert L["jax"]["xla_temp_bytes"] > 0
+    # Same weights, same number of identical tiny updates: the two models decode (almost) the same tokens.
+    assert D["greedy_token_agreement"] >= 0.8
+    assert r["backend"]["jax"] == "cpu"
+    assert "learner step" in "\n".join(out)

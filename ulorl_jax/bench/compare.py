@@ -1,0 +1,275 @@
+"""XLA vs PyTorch side by side: learner step and decode for the same Qwen3-MoE config and tokens.
+
+    ulorl bench compare [--json] [--torch-compile off|learner|all]
+
+One run builds a random transformers `Qwen3MoeForCausalLM` (bench/forward.py's
+builder), loads the same weights into ours, and measures, interleaved:
+  learner step (forward + backward + AdamW, the UloRL loss of bench/learner.py
+  on the same samples): JAX `Learner.update` vs PyTorch eager, and PyTorch with
+  `torch.compile` on the model (inductor) where it compiles;
+  decode (greedy, fixed length, KV cache): our `PolicyEngine.run` vs
+  transformers `generate` eager (and `torch.compile`d forward with a static
+  cache with `--torch-compile all`).
+Reported: tokens/s, ratios JAX / torch (> 1: JAX faster), peak RSS growth
+during a step (both frameworks allocate in this process), XLA's temp buffers,
+first-call (compile) times, the backend (CPU here; GPU when one is present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+from ulorl_jax.bench import forward as fwd
+from ulorl_jax.bench import learner as bl
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("model (Qwen3-MoE)")
+    g.add_argument("--hidden-size", type=int, default=128, help="default 128")
+    g.add_argument("--layers", type=int, default=2, help="default 2")
+    g.add_argument("--experts", type=int, default=8, help="default 8")
+    g.add_argument("--top-k", type=int, default=2, help="default 2")
+    g.add_argument("--moe-intermediate-size", type=int, default=64, help="default 64")
+    g.add_argument("--vocab", type=int, default=2048, help="default 2048")
+    g = parser.add_argument_group("workload")
+    g.add_argument("--samples", type=int, default=4, help="learner samples per step (default 4)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per learner sample (default 128)")
+    g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (learner and decode; default 16)")
+    g.add_argument("--decode-batch", type=int, default=4, help="decode prompts = engine slots (default 4)")
+    g.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per prompt (default 32)")
+    g.add_argument("--iters", type=int, default=3, help="timed repetitions; median reported (default 3)")
+    g.add_argument("--torch-compile", choices=["off", "learner", "all"], default="learner",
+                   help="torch.compile the learner model (default), also the decode forward (all), or neither")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
+    g.add_argument("--seed", type=int, default=0, help="default 0")
+    g.add_argument("--json", action="store_true", help="also print the result as one JSON line (last line)")
+    return parser
+
+
+def _settings(args) -> dict:
+    defaults = vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
+    return {k: getattr(args, k, v) for k, v in defaults.items() if k != "json"}
+
+
+def run(args) -> dict:
+    s = _settings(args)
+    for k in ("hidden_size", "layers", "experts", "top_k", "vocab", "samples", "seq_len", "prompt_len",
+              "decode_batch", "new_tokens", "iters", "moe_intermediate_size"):
+        if s[k] < 1:
+            raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
+    if s["prompt_len"] >= s["seq_len"]:
+        raise ValueError(f"--prompt-len={s['prompt_len']} must be < --seq-len={s['seq_len']}")
+    import jax
+    import numpy as np
+    import torch
+
+    from ulorl_jax.decode.engine import PolicyEngine, Request
+    from ulorl_jax.decode.sampling import GREEDY
+    from ulorl_jax.models.hf import from_pretrained
+    from ulorl_jax.rl.learner import Learner, LearnerConfig
+
+    if s["threads"]:
+        torch.set_num_threads(s["threads"])
+    load_before = fwd._loadavg()
+    ls = {**bl._settings(argparse.Namespace()), "model_type": "qwen3_moe", "hidden_size": s["hidden_size"],
+          "layers": s["layers"], "experts": s["experts"], "top_k": s["top_k"],
+          "moe_intermediate_size": s["moe_intermediate_size"], "vocab": s["vocab"], "samples": s["samples"],
+          "seq_len": max(s["seq_len"], s["prompt_len"] + s["new_tokens"]), "prompt_len": s["prompt_len"],
+          "micro_batch_rows": 1, "seed": s["seed"], "threads": s["threads"]}
+    ls["seq_len"] = s["seq_len"]
+    fs = bl._forward_settings(ls)
+    fs["seq_len"] = max(s["seq_len"], s["prompt_len"] + s["new_tokens"])
+    config = fwd.model_config(fs)
+    torch_model = fwd.build_torch_model(config, fs)
+    with tempfile.TemporaryDirectory(prefix="ulorl-bench-") as folder:
+        torch_model.save_pretrained(folder)
+        jax_model = from_pretrained(folder, dtype="float32")
+        torch_compiled_src = fwd.build_torch_model(config, fs)  # same seed: same weights, separate optimizer
+    result = {"bench": "compare", "settings": s, "backend": {"jax": jax.default_backend(),
+                                                             "torch": "cpu"},  # the torch model stays on CPU (see README)
+              "model": {"model_type": "qwen3_moe", "params": int(sum(p.numel() for p in torch_model.parameters()))}}
+
+    # -- learner step -------------------------------------------------------------------
+    lconf = LearnerConfig(lr=1e-6, row_len=s["seq_len"], micro_batch_rows=1, logprob_chunk=s["seq_len"],
+                          remat="full", mask_mode="dmmpt")
+    learner = Learner(jax_model, lconf)
+    samples = bl._samples(ls, np)
+    cases = {"jax": lambda: learner.update(samples), "torch_eager": bl._torch_step_fn(torch_model, samples, lconf, ls)}
+    compile_note = "off"
+    if s["torch_compile"] in ("learner", "all"):
+        try:
+            compiled_model = torch.compile(torch_compiled_src)
+            cases["torch_compile"] = bl._torch_step_fn(compiled_model, samples, lconf, ls)
+            compile_note = "ok"
+        except Exception as err:  # noqa: BLE001  (reported, not fatal)
+            compile_note = f"failed: {type(err).__name__}: {err}"[:300]
+    first = {}
+    for name in list(cases):
+        t0 = time.perf_counter()
+        try:
+            cases[name]()
+        except Exception as err:  # noqa: BLE001  (torch.compile errors surface at the first call)
+            if name != "torch_compile":
+                raise
+            compile_note = f"failed: {type(err).__name__}: {str(err)[:240]}"
+            del cases[name]
+            continue
+        first[name] = time.perf_counter() - t0
+    times = {k: [] for k in cases}
+    peak = {k: 0 for k in cases}
+    cpu_before = fwd._cpu_sample()
+    for _ in range(s["iters"]):
+        for name, fn in cases.items():
+            with bl._PeakRSS() as rss:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+            peak[name] = max(peak[name], rss.growth)
+    _, batch = learner.pack(samples)
+    temp = int(learner._train_step.lower(learner.params, learner.opt_state, learner._put(batch)).compile()
+               .memory_analysis().temp_size_in_bytes)
+    n_tok = s["samples"] * s["seq_len"]
+    learn = {name: {**fwd._stats(times[name], n_tok), "first_call_s": first[name],
+                    "peak_rss_growth_bytes": peak[name]} for name in cases}
+    learn["jax"]["xla_temp_bytes"] = temp
+    for name in cases:
+        if name != "jax":
+            learn[f"ratio_jax_over_{name}"] = learn["jax"]["tokens_per_s"] / learn[name]["tokens_per_s"]
+    learn["torch_compile"] = learn.get("torch_compile", {}) | {"status": compile_note}
+    result["learner_step"] = learn
+
+    # -- decode -------------------------------------------------------------------------
+    b, p_len, n = s["decode_batch"], s["prompt_len"], s["new_tokens"]
+    prompts = np.random.default_rng(s["seed"] + 1).integers(0, s["vocab"], size=(b, p_len), dtype=np.int64)
+    engine = PolicyEngine(learner.model, max_concurrent_decodes=b, max_prefill_length=p_len,
+                          max_cache_len=p_len + n, prefill_buckets=(p_len,), sampling=GREEDY)
+    params = learner.params  # the learner's current weights, no copy (params are an argument)
+    requests = [Request(prompts[i].tolist(), n, i) for i in range(b)]
+    ids = torch.as_tensor(prompts)
+    torch_model.eval()
+
+    def torch_generate(model, **kw):
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0, **kw)
+
+    dcases = {"jax": lambda: engine.run(params, requests, steps_per_call=16),
+              "torch_eager": lambda: torch_generate(torch_model)}
+    dnote = "off (--torch-compile all to try)"
+    if s["torch_compile"] == "all":
+        try:
+            torch_model.forward = torch.compile(torch_model.forward)
+            dcases["torch_compile"] = lambda: torch_generate(torch_model, cache_implementation="static")
+            dnote = "ok"
+        except Exception as err:  # noqa: BLE001
+            dnote = f"failed: {type(err).__name__}: {str(err)[:240]}"
+    dfirst = {}
+    for name in list(dcases):
+        t0 = time.perf_counter()
+        try:
+            dcases[name]()
+        except Exception as err:  # noqa: BLE001
+            if name != "torch_compile":
+                raise
+            dnote = f"failed: {type(err).__name__}: {str(err)[:240]}"
+            del dcases[name]
+            continue
+        dfirst[name] = time.perf_counter() - t0
+    dtimes = {k: [] for k in dcases}
+    last = {}
+    for _ in range(s["iters"]):
+        for name, fn in dcases.items():
+            t0 = time.perf_counter()
+            last[name] = fn()
+            dtimes[name].append(time.perf_counter() - t0)
+    background = fwd._background_load(cpu_before, fwd._cpu_sample())
+    gen = b * n
+    dec = {name: {"median_s": statistics.median(v), "tokens_per_s": gen / statistics.median(v),
+                  "first_call_s": dfirst[name]} for name, v in dtimes.items()}
+    for name in dcases:
+        if name != "jax":
+            dec[f"ratio_jax_over_{name}"] = dec["jax"]["tokens_per_s"] / dec[name]["tokens_per_s"]
+    dec["torch_compile"] = dec.get("torch_compile", {}) | {"status": dnote}
+    ours = np.array([c.tokens for c in last["jax"][0]])  # [B, N]
+    # Both models took the same number of identical updates (lr 1e-6), so greedy tokens should agree.
+    dec["greedy_token_agreement"] = float(np.mean(ours == last["torch_eager"][:, p_len:].numpy()))
+    result["decode"] = dec
+    machine = fwd._machine_info()
+    machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
+    result["machine"] = machine
+    return result
+
+
+def format_table(r: dict) -> str:
+    s, mc, L, D = r["settings"], r["machine"], r["learner_step"], r["decode"]
+    dev = f"JAX on {r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}"
+    lines = [f"ulorl bench compare: qwen3_moe {r['model']['params']:,} params (hidden {s['hidden_size']}, "
+             f"{s['layers']} layers, {s['experts']} experts top-{s['top_k']}, vocab {s['vocab']}); {dev}",
+             "", f"learner step: {s['samples']} samples x {s['seq_len']} tokens, UloRL loss + AdamW, median of "
+                 f"{s['iters']}",
+             f"{'':<16}{'step ms':>10}{'tokens/s':>11}{'JAX / it':>10}{'peak RSS MiB':>14}{'first call s':>14}"]
+    for name in ("jax", "torch_eager", "torch_compile"):
+        v = L.get(name, {})
+        if "tokens_per_s" not in v:
+            continue
+        ratio = L.get(f"ratio_jax_over_{name}", 1.0)
+        lines.append(f"{name:<16}{v['median_s'] * 1e3:>10.1f}{v['tokens_per_s']:>11,.0f}{ratio:>10.2f}"
+                     f"{v['peak_rss_growth_bytes'] / 2**20:>14.1f}{v['first_call_s']:>14.1f}")
+    lines.append(f"torch.compile (learner): {L['torch_compile']['status']}; JAX XLA temp buffers "
+                 f"{L['jax']['xla_temp_bytes'] / 2**20:.1f} MiB")
+    lines += ["", f"decode: {s['decode_batch']} prompts x ({s['prompt_len']} + {s['new_tokens']} greedy), median of "
+                  f"{s['iters']}", f"{'':<16}{'run ms':>10}{'tokens/s':>11}{'JAX / it':>10}{'first call s':>14}"]
+    for name in ("jax", "torch_eager", "torch_compile"):
+        v = D.get(name, {})
+        if "tokens_per_s" not in v:
+            continue
+        ratio = D.get(f"ratio_jax_over_{name}", 1.0)
+        lines.append(f"{name:<16}{v['median_s'] * 1e3:>10.1f}{v['tokens_per_s']:>11,.0f}{ratio:>10.2f}"
+                     f"{v['first_call_s']:>14.1f}")
+    lines.append(f"torch.compile (decode): {D['torch_compile']['status']}; greedy token agreement JAX vs torch "
+                 f"{D['greedy_token_agreement']:.3f}")
+    lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}, "
+                 f"transformers {mc['transformers']}; load avg {mc['loadavg_before']} -> {mc['loadavg_after']}; "
+                 f"{mc['date']}")
+    bg = mc.get("cpu_during_timing")
+    if bg:
+        lines.append(f"CPU during timing: this process {bg['this_process_frac']:.2f}, other processes "
+                     f"{bg['other_processes_frac']:.2f}" + ("  <- noisy" if bg["other_processes_frac"] > 0.1 else ""))
+    return "\n".join(lines)
+
+
+def _cli(args) -> int:
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        raise ValueError("bench compare needs PyTorch: install it with pip install -e '.[test]'") from None
+    result = run(args)
+    print(format_table(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def add_parser(bench_subparsers) -> argparse.ArgumentParser:
+    p = bench_subparsers.add_parser("compare", help="XLA vs PyTorch: learner step and decode, same Qwen3-MoE "
+                                                    "and tokens (eager and torch.compile)",
+                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=_cli)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ulorl_jax.bench.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return _cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
