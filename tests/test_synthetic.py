@@ -25,25 +25,27 @@ from ulorl_jax.data.synthetic import (
 )
 from ulorl_jax.rewards import rule_reward
 
-LINE = re.compile(r"^(\d+)\+(\d+)=(\d+)$")
+LINE = re.compile(r"^([a-z])(\d+)=(\d+)$")
 
 
 def check_trace(prompt: str, text: str) -> tuple[int, int, int | None]:
     """Independent checker: (steps, wrong steps, boxed value); also checks the trace reads the prompt."""
     head, _, operands = prompt.partition(": ")
     modulus = int(head.split()[-1])
-    xs = [int(t) for t in operands.split()]
+    labelled = operands.split()
+    labels, xs = [t[0] for t in labelled], [int(t[1:]) for t in labelled]
+    assert labels == [chr(ord("a") + i) for i in range(len(xs))]
     lines = text.split("\n")
     boxed = re.fullmatch(r"\\boxed\{(\d+)\}", lines[-1])
     steps = lines[:-1]
-    assert len(steps) == len(xs) - 1
+    assert len(steps) == len(xs)
     wrong = 0
-    previous = xs[0]
-    for line, x in zip(steps, xs[1:]):
-        a, b, c = map(int, LINE.match(line).groups())
-        assert a == previous and b == x  # each line continues from what the last one wrote
-        wrong += (a + b) % modulus != c
-        previous = c
+    previous = 0
+    for line, label, x in zip(steps, labels, xs):
+        got_label, b, c = LINE.match(line).groups()
+        assert got_label == label and int(b) == x  # each line copies its operand from the prompt
+        wrong += (previous + x) % modulus != int(c)
+        previous = int(c)
     return len(steps), wrong, int(boxed.group(1)) if boxed else None
 
 
@@ -57,7 +59,7 @@ def test_generation_is_deterministic():
 
 
 def test_correct_trace_checks_out():
-    config = SyntheticConfig(max_operands=30, modulus=7)
+    config = SyntheticConfig(max_operands=26, modulus=7)
     for problem in generate_problems(config, 200, seed=0):
         text = problem.trace()
         steps, wrong, boxed = check_trace(problem.prompt, text)
@@ -68,8 +70,8 @@ def test_correct_trace_checks_out():
 
 def test_example_from_the_docstring():
     problem = SyntheticProblem((3, 5, 8, 2))
-    assert problem.prompt == "sum mod 10: 3 5 8 2"
-    assert problem.trace() == "3+5=8\n8+8=6\n6+2=8\n\\boxed{8}"
+    assert problem.prompt == "sum mod 10: a3 b5 c8 d2"
+    assert problem.trace() == "a3=3\nb5=8\nc8=6\nd2=8\n\\boxed{8}"
     assert problem.answer == "8"
 
 
@@ -110,10 +112,12 @@ def test_operand_counts_follow_the_power_law():
 
 
 def test_long_tail_property():
-    stats = distribution_stats(SyntheticConfig(max_operands=64, tail_alpha=1.5), n=5000, seed=0)["trace_length"]
+    # Trace length is affine in the operand count (5 per line + 9), capped at 26 labelled operands,
+    # so the tail is bounded: with alpha 1.5 the longest traces are ~6x the median.
+    stats = distribution_stats(SyntheticConfig(max_operands=26, tail_alpha=1.5), n=5000, seed=0)["trace_length"]
     assert stats["mean"] > stats["p50"]  # right-skewed
-    assert stats["max"] >= 8 * stats["p50"]  # a few many times longer than the typical one
-    assert stats["p90"] >= 3 * stats["p50"]
+    assert stats["max"] >= 5 * stats["p50"]  # a few many times longer than the typical one
+    assert stats["p90"] >= 2.5 * stats["p50"]
 
 
 def test_length_stats_against_numpy():
@@ -128,7 +132,7 @@ def test_trace_lengths_in_tokens():
     from ulorl_jax.data.tokenizer import build_tokenizer
 
     problems = [SyntheticProblem((3, 5, 8, 2))]
-    assert trace_lengths(problems) == [len("3+5=8\n8+8=6\n6+2=8\n\\boxed{8}")]
+    assert trace_lengths(problems) == [len("a3=3\nb5=8\nc8=6\nd2=8\n\\boxed{8}")]
     assert trace_lengths(problems, build_tokenizer()) == [trace_lengths(problems)[0] + 1]  # + eos
 
 

@@ -24,11 +24,11 @@ def test_vocab_small_and_specials(tok):
     assert tok.pad_token_id != tok.eos_token_id
     assert tok.bos_token is None  # like Qwen3: no bos
     small = build_tokenizer(synthetic_alphabet())
-    assert len(small) < 40
+    assert len(small) == 4 + 3 + len(set(synthetic_alphabet())) <= 64
 
 
 def test_round_trip_character_level(tok):
-    text = "sum mod 10: 3 5 8 2\n3+5=8\n8+8=6\n\\boxed{6}"
+    text = "sum mod 10: a3 b5 c8\na3=3\nb5=8\nc8=6\n\\boxed{6}"
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)  # one id per character, independently of any merge table
     assert tok.decode(ids) == text

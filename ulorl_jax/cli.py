@@ -1,4 +1,4 @@
-"""`ulorl` command line: demo, convert, bench.
+"""`ulorl` command line: train, eval, demo, generate, serve, data, plot, convert, bench.
 
 Each subcommand has its own `--help`. Every `ulorl bench ...` prints a table
 and, with `--json`, one JSON object as the last line of stdout.
@@ -10,43 +10,6 @@ import argparse
 import json
 import sys
 import time
-
-
-def _demo(args) -> int:
-    """Build a tiny Qwen3-MoE policy, run a forward pass and a few decode steps."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from ulorl_jax.models import init_model, tiny_config
-
-    config = tiny_config("qwen3_moe")
-    model = init_model(config, seed=args.seed)
-    params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    tokens = jnp.asarray(np.random.default_rng(args.seed).integers(0, config.vocab_size, (2, 16)), jnp.int32)
-    start = time.perf_counter()
-    logits = nnx.jit(lambda m, t: m(t))(model, tokens)
-    logits.block_until_ready()
-    forward_s = time.perf_counter() - start
-
-    step = nnx.jit(lambda m, t, c: m.decode_step(t, c))
-    cache = model.init_cache(2, 16 + args.new_tokens)
-    last, cache = step(model, tokens, cache)
-    generated = []
-    for _ in range(args.new_tokens):  # greedy
-        nxt = jnp.argmax(last[:, -1], axis=-1)[:, None].astype(jnp.int32)
-        generated.append(np.asarray(nxt)[:, 0])
-        last, cache = step(model, nxt, cache)
-    print(f"ulorl demo: tiny {config.model_type} policy, {params:,} parameters, "
-          f"{config.num_hidden_layers} layers, {config.num_experts} experts (top-{config.num_experts_per_tok})")
-    print(f"backend: {jax.default_backend()} ({jax.device_count()} device(s))")
-    print(f"forward: tokens {tuple(tokens.shape)} -> logits {tuple(logits.shape)} {logits.dtype} "
-          f"in {forward_s:.2f}s (incl. compile)")
-    print("logits[0, -1, :5] = [" + ", ".join(f"{v:+.4f}" for v in np.asarray(logits[0, -1, :5])) + "]")
-    print(f"greedy continuation (KV cache, {args.new_tokens} tokens): {np.stack(generated, 1).tolist()}")
-    print("(the UloRL training demo is not built yet; see README status table)")
-    return 0
 
 
 def _convert(args) -> int:
@@ -87,11 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="build a tiny Qwen3-MoE policy and run it (CPU, seconds)",
-                          description=_demo.__doc__)
-    demo.add_argument("--seed", type=int, default=0, help="weight and token seed (default 0)")
-    demo.add_argument("--new-tokens", type=int, default=8, help="greedy tokens to decode (default 8)")
-    demo.set_defaults(func=_demo)
+    from ulorl_jax import commands  # train, eval, demo
+
+    commands.add_parsers(sub)
 
     convert = sub.add_parser(
         "convert", help="convert between Hugging Face and ulorl model folders",
@@ -107,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="ulorl-to-hf MoE tensor layout (default: the layout the model came from)")
     convert.set_defaults(func=_convert)
 
+    from ulorl_jax.decode import generate  # `ulorl generate` lives with the engine
+
+    generate.add_parser(sub)
+    from ulorl_jax.decode import serve  # `ulorl serve`: JetStream's orchestrator + gRPC (extra: jetstream)
+
+    serve.add_parser(sub)
+    from ulorl_jax import plot  # `ulorl plot RUN_DIR`
+
+    plot.add_parser(sub)
+    from ulorl_jax.data import clean  # `ulorl data clean IN OUT`
+
+    clean.add_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks; each prints a table (and JSON with --json)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     fwd = bench_sub.add_parser("forward", help="forward and forward+backward tokens/s: JAX vs PyTorch (HF)",
@@ -115,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     forward.add_arguments(fwd)
     fwd.set_defaults(func=_bench_forward)
+    from ulorl_jax.bench import decode as bench_decode
+
+    bench_decode.add_parser(bench_sub)
+    from ulorl_jax.bench import attention as bench_attention
+
+    bench_attention.add_parser(bench_sub)
+    from ulorl_jax.bench import learner as bench_learner
+
+    bench_learner.add_parser(bench_sub)
+    from ulorl_jax.bench import compare as bench_compare, segments as bench_segments
+    from ulorl_jax import plan
+
+    bench_segments.add_parser(bench_sub), bench_compare.add_parser(bench_sub), plan.add_parser(sub)
     return parser
 
 

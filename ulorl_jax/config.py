@@ -181,6 +181,9 @@ class TrainerOptions:
     eval_every: int = 0  # RL steps between held-out evals; 0 = never
     seed: int = 0
     max_consecutive_skips: int = 10  # steps with no trainable group before stopping with an error
+    # Steps in a row whose every learner update was skipped for a non-finite loss or gradient
+    # (params and optimizer state kept); the run stops with an error when this many are reached.
+    max_consecutive_nonfinite: int = 5
     # DAPO dynamic sampling: rollout rounds (fresh prompts, same weights) per step until
     # train_batch_size groups with unequal rewards are ready; 1 = train on what one round gives.
     dynamic_sampling_max_rounds: int = 1
@@ -523,13 +526,18 @@ def validate(cfg: RunConfig) -> None:
 
     t = cfg.trainer
     for name in ("train_batch_size", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_rows", "logprob_chunk",
-                 "max_consecutive_skips", "dynamic_sampling_max_rounds"):
+                 "max_consecutive_skips", "max_consecutive_nonfinite", "dynamic_sampling_max_rounds"):
         _require(getattr(t, name) >= 1, f"trainer.{name}", getattr(t, name), ">= 1")
     for name in ("total_steps", "eval_every", "sft_steps"):
         _require(getattr(t, name) >= 0, f"trainer.{name}", getattr(t, name), ">= 0")
     _require(t.sft_lr > 0, "trainer.sft_lr", t.sft_lr, "> 0")
     _require(t.sft_batch_size is None or t.sft_batch_size >= 1, "trainer.sft_batch_size", t.sft_batch_size,
              ">= 1 or null")
+    if -1 not in (mesh.data, mesh.fsdp, mesh.expert):  # else the Learner checks it once devices are known
+        shards = mesh.data * mesh.fsdp * mesh.expert  # sharding.BATCH_AXES: packed rows are split over these
+        _require(t.micro_batch_rows % shards == 0, "trainer.micro_batch_rows", t.micro_batch_rows,
+                 f"a multiple of mesh.data * mesh.fsdp * mesh.expert = {mesh.data} * {mesh.fsdp} * {mesh.expert} "
+                 f"= {shards} (the batch axes each micro-batch's rows are split over)")
     samples = t.train_batch_size * r.n
     _require(samples % t.ppo_mini_batch_size == 0, "trainer.ppo_mini_batch_size", t.ppo_mini_batch_size,
              f"a divisor of trainer.train_batch_size * rollout.n = {t.train_batch_size} * {r.n} = {samples}")

@@ -1,13 +1,19 @@
 """A verifiable task with long-tailed trace lengths, small enough for a tiny policy to learn.
 
-Modular running sums: the prompt "sum mod 10: 3 5 8 2" asks for the sum of
-the operands mod 10; the step-by-step trace writes one line per addition,
-each a local rule over a small alphabet, then the boxed answer:
+Modular running sums: the prompt "sum mod 10: a3 b5 c8 d2" asks for the sum
+of the labelled operands mod 10; the step-by-step trace writes one line per
+operand — its label, its value and the running sum — then the boxed answer:
 
-    3+5=8
-    8+8=6
-    6+2=8
+    a3=3
+    b5=8
+    c8=6
+    d2=8
     \\boxed{8}
+
+Every step is a local rule a 2-layer policy learns quickly: the next label
+follows the previous one, its value is looked up by label in the prompt (an
+induction-head copy), and the new running sum adds it to the value written
+one line up (a fixed distance back).
 
 The number of operands K is drawn from a truncated discrete power law,
 P(K = k) ∝ (k − min_operands + 1)^(−tail_alpha) on [min_operands, max_operands]:
@@ -32,6 +38,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 PROMPT_PREFIX = "sum mod {modulus}: "
+LABELS = "abcdefghijklmnopqrstuvwxyz"  # operand i is labelled LABELS[i]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +46,13 @@ class SyntheticConfig:
     """Shape of the operand-count distribution and the modulus."""
 
     min_operands: int = 2
-    max_operands: int = 64
+    max_operands: int = 26
     tail_alpha: float = 1.5  # larger: fewer long problems
     modulus: int = 10
 
     def __post_init__(self):
+        if self.max_operands > len(LABELS):
+            raise ValueError(f"max_operands={self.max_operands}: at most {len(LABELS)} operands (labels a-z)")
         if not 1 <= self.min_operands <= self.max_operands:
             raise ValueError(f"need 1 <= min_operands <= max_operands, got {self.min_operands}, {self.max_operands}")
         if not self.tail_alpha > 0:
@@ -59,7 +68,8 @@ class SyntheticProblem:
 
     @property
     def prompt(self) -> str:
-        return PROMPT_PREFIX.format(modulus=self.modulus) + " ".join(map(str, self.operands))
+        return PROMPT_PREFIX.format(modulus=self.modulus) + " ".join(
+            f"{LABELS[i]}{x}" for i, x in enumerate(self.operands))
 
     @property
     def answer(self) -> str:
@@ -90,19 +100,19 @@ def noisy_trace(problem: SyntheticProblem, p: float, rng: np.random.Generator) -
     """(response text, number of wrong steps): each step's result is wrong with probability p.
 
     A wrong step writes a uniformly chosen wrong value and the trace continues
-    from what it wrote, so every line reads "previous line's result + operand".
+    from what it wrote, so every line's sum is "previous line's sum + its operand".
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"noise probability p must be in [0, 1], got {p}")
     m = problem.modulus
-    running = problem.operands[0]
+    running = 0
     lines, wrong = [], 0
-    for x in problem.operands[1:]:
+    for i, x in enumerate(problem.operands):
         result = (running + x) % m
         if p > 0 and rng.random() < p:
             result = (result + int(rng.integers(1, m))) % m  # any of the m - 1 other values
             wrong += 1
-        lines.append(f"{running}+{x}={result}")
+        lines.append(f"{LABELS[i]}{x}={result}")
         running = result
     lines.append(f"\\boxed{{{running}}}")
     return "\n".join(lines), wrong

@@ -32,8 +32,8 @@ CHAT_TEMPLATE = (
 
 
 def synthetic_alphabet() -> str:
-    """Just the characters `data/synthetic.py` writes (digits, its words, + = \\ { } : space, newline)."""
-    return string.digits + "sumod:+=\\boxed{} \n"
+    """Just the characters `data/synthetic.py` writes (digits, labels a-z, = \\ { } : space, newline)."""
+    return string.digits + string.ascii_lowercase + ":=\\{} \n"
 
 
 def build_tokenizer(alphabet: str | None = None, *, extra_tokens: Sequence[str] = (),

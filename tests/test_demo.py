@@ -1,0 +1,61 @@
+"""The embedded demo and the RL signal it relies on: reward rises on an easy synthetic setting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ulorl_jax.config import load_config
+from ulorl_jax.rl.trainer import Trainer
+
+# The easiest setting of the synthetic task: one operand (the answer is the operand itself),
+# and the answer is the last digit the policy writes, so a random policy starts near chance.
+EASY = [
+    "data.synthetic.min_operands=1", "data.synthetic.max_operands=1", "data.synthetic.modulus=10",
+    "data.synthetic.num_train=8", "data.synthetic.num_eval=1", "reward.answer_pattern=(\\d)\\D*$",
+    "data.max_prompt_len=16", "rollout.global_max_len=8", "rollout.num_segments=2", "eval.max_new_tokens=8",
+    "mesh.fsdp=1", "trainer.eval_every=0", "trainer.sft_steps=0", "checkpoint.save_every=0",
+    "logging.tensorboard=false", "trainer.logprob_chunk=16", "trainer.micro_batch_rows=8", "optim.lr=1e-2",
+]
+STEPS = 24
+
+
+@pytest.mark.slow
+def test_rl_raises_reward_on_an_easy_setting(tmp_path):
+    """From a random policy (train reward ~0.05, near chance), 24 UloRL steps (2 segments, POIS, DMMPT)
+    raise the mean train reward of the last 8 steps by at least 0.08 and to at least twice that of the
+    first 8 (observed here: 0.05 -> 0.15 after 20 steps); the logged entropy stays finite."""
+    cfg = load_config("tiny_cpu", EASY + [f"trainer.total_steps={STEPS}"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        history = [trainer.train_step() for _ in range(STEPS)]
+    finally:
+        trainer.close()
+    rewards = [m["reward_mean"] for m in history if m.get("reward_mean") is not None]
+    entropies = [m["entropy"] for m in history if "entropy" in m]
+    assert len(rewards) >= STEPS - 2 and len(entropies) >= STEPS - 4, (rewards, entropies)
+    first, last = np.mean(rewards[:8]), np.mean(rewards[-8:])
+    assert last >= first + 0.08 and last >= 2 * first, (first, last, rewards)
+    assert np.isfinite(entropies).all()
+
+
+@pytest.mark.slow
+def test_quick_demo_runs_end_to_end(tmp_path):
+    """The README's main command in its CI size: prints a summary, writes metrics, plots, summary.json."""
+    run = tmp_path / "demo"
+    out = subprocess.run([sys.executable, "-m", "ulorl_jax.cli", "demo", "--quick", "--run-dir", str(run), "--json"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "== ulorl demo summary ==" in out.stdout
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert summary["steps"] == load_config("tiny_cpu", ["trainer.total_steps=8"]).trainer.total_steps
+    assert (run / "metrics.jsonl").read_text().count("\n") == summary["steps"]
+    for name in ("reward.png", "entropy.png", "response_length.png", "pools.png"):
+        assert (run / "plots" / name).stat().st_size > 0
+    assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())

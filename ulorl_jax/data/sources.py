@@ -1,0 +1,102 @@
+"""Prompt sources for the trainer: the built-in synthetic task, or prompt files.
+
+Both are deterministic streams of `PromptItem`s with a JSON-able position
+(`state_dict` / `load_state_dict`), so a resumed run draws exactly the
+prompts the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from ulorl_jax.data.synthetic import SyntheticConfig, SyntheticProblem, make_splits, noisy_trace
+from ulorl_jax.decode.segment import PromptItem
+
+# Keys of `data.synthetic` that are not SyntheticConfig fields.
+_SYNTHETIC_RUN_KEYS = {"num_train": 512, "num_eval": 64, "seed": 0, "noise_p": 0.1, "task": "arithmetic"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticTask:
+    """The demo's task: train / held-out problems and the noisy warm-start traces."""
+
+    config: SyntheticConfig
+    train: tuple[SyntheticProblem, ...]
+    eval: tuple[SyntheticProblem, ...]
+    noise_p: float
+    seed: int
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "SyntheticTask":
+        opts = {**_SYNTHETIC_RUN_KEYS, **(options or {})}
+        if opts.pop("task") != "arithmetic":
+            raise ValueError(f"data.synthetic.task={options.get('task')!r}: only 'arithmetic' is built in")
+        known = {f.name for f in dataclasses.fields(SyntheticConfig)} | set(_SYNTHETIC_RUN_KEYS)
+        unknown = sorted(set(opts) - known)
+        if unknown:
+            raise ValueError(f"unknown data.synthetic key(s) {unknown}; known: {sorted(known - {'task'})}")
+        num_train, num_eval, seed, noise_p = (opts.pop(k) for k in ("num_train", "num_eval", "seed", "noise_p"))
+        if not 0.0 <= noise_p < 1.0:
+            raise ValueError(f"data.synthetic.noise_p={noise_p} must be in [0, 1)")
+        config = SyntheticConfig(**opts)
+        splits = make_splits(config, num_train, num_eval, seed)
+        return cls(config, tuple(splits["train"]), tuple(splits["eval"]), float(noise_p), int(seed))
+
+    def warm_start_traces(self, step: int, batch: int) -> list[tuple[SyntheticProblem, str]]:
+        """`batch` (problem, noisy trace) pairs for supervised step `step`, deterministic in (seed, step)."""
+        rng = np.random.default_rng([self.seed, 1, step])
+        picks = rng.integers(0, len(self.train), size=batch)
+        return [(self.train[i], noisy_trace(self.train[i], self.noise_p, rng)[0]) for i in picks]
+
+
+def encode_prompt(tokenizer, text: str, apply_chat_template: bool) -> list[int]:
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class ProblemStream:
+    """Cycles through a fixed list of problems in a seeded order, reshuffled every epoch.
+
+    Position = number of prompts drawn; prompt_index (the group id) = that
+    running count, so group ids never repeat within a run."""
+
+    def __init__(self, problems: Sequence[SyntheticProblem], tokenizer, *, seed: int,
+                 apply_chat_template: bool):
+        if not problems:
+            raise ValueError("the synthetic task has no training problems (data.synthetic.num_train)")
+        self.problems = list(problems)
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.apply_chat_template = apply_chat_template
+        self.position = 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, 2, epoch]).permutation(len(self.problems))
+
+    def take(self, count: int) -> list[PromptItem]:
+        out = []
+        for _ in range(count):
+            epoch, offset = divmod(self.position, len(self.problems))
+            problem = self.problems[int(self._order(epoch)[offset])]
+            ids = encode_prompt(self.tokenizer, problem.prompt, self.apply_chat_template)
+            out.append(PromptItem(self.position, ids, {"answer": problem.answer, "prompt": problem.prompt}))
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"prompt stream seed {state['seed']} in the checkpoint != configured {self.seed}")
+        self.position = int(state["position"])
+
+
+def eval_prompts(problems: Sequence[SyntheticProblem], tokenizer, apply_chat_template: bool) -> list[PromptItem]:
+    return [PromptItem(i, encode_prompt(tokenizer, p.prompt, apply_chat_template),
+                       {"answer": p.answer, "prompt": p.prompt}) for i, p in enumerate(problems)]

@@ -1,0 +1,123 @@
+"""The embedded CPU demo: UloRL on a tiny Qwen3-MoE policy and a synthetic task.
+
+1. config `tiny_cpu` (+ overrides), a fresh tiny policy and a character tokenizer;
+2. supervised warm start on step-by-step traces that are sometimes wrong;
+3. held-out avg@k accuracy of the warm start;
+4. UloRL: segment rollout, POIS, DMMPT (the trainer, as `ulorl train` runs it);
+5. held-out avg@k accuracy after RL, a summary, plots and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+
+
+def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = False) -> dict:
+    import jax
+
+    from ulorl_jax.commands import _warm_start
+    from ulorl_jax.config import load_config
+    from ulorl_jax.data.synthetic import distribution_stats
+    from ulorl_jax.metrics import ProgressDisplay, read_metrics
+    from ulorl_jax.plot import plot_run
+    from ulorl_jax.rl.trainer import Trainer
+
+    wall = time.perf_counter()
+    run_dir = Path(run_dir) if run_dir else default_run_dir()
+    cfg = load_config("tiny_cpu", overrides)
+    trainer = Trainer(cfg, run_dir)
+    a, r = cfg.algorithm, cfg.rollout
+    params = sum(x.size for x in jax.tree.leaves(trainer.learner.params))
+    m = trainer.learner.model.config
+    print(f"ulorl demo{' --quick' if quick else ''}: tiny {m.model_type} policy ({params:,} parameters, "
+          f"{m.num_hidden_layers} layers, {m.num_experts} experts top-{m.num_experts_per_tok}) on "
+          f"{jax.default_backend()}; run folder {run_dir}")
+    print(f"task: running sums mod {trainer.task.config.modulus}, {trainer.task.config.min_operands}-"
+          f"{trainer.task.config.max_operands} operands (long-tailed); rollout {r.global_max_len} tokens in "
+          f"{r.num_segments} segments of {r.global_max_len // r.num_segments}, n={r.n}; is_mode={a.is_mode}, "
+          f"mask_mode={a.mask_mode} (tau {a.tau}, sigma {a.sigma})")
+    try:
+        t0 = time.perf_counter()
+        if cfg.trainer.sft_steps:
+            _warm_start(trainer, cfg)
+        sft_s = time.perf_counter() - t0
+        before = trainer.evaluate()
+        print(f"held-out avg@{cfg.eval.k} accuracy after warm start: {before['eval_accuracy']:.3f}")
+        t0 = time.perf_counter()
+        with ProgressDisplay(cfg.trainer.total_steps) as progress:
+            trainer.fit(progress)
+        rl_s = time.perf_counter() - t0
+        after = trainer.evaluate()
+    finally:
+        trainer.close()
+    records = read_metrics(run_dir / "metrics.jsonl")
+    summary = _summary(cfg, records, before, after, sft_s, rl_s, time.perf_counter() - wall,
+                       distribution_stats(trainer.task.config, tokenizer=trainer.tokenizer))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    written, _ = plot_run(run_dir)
+    _print_summary(summary, run_dir, written)
+    return summary
+
+
+def _tail_mean(records: list[dict], key: str, frac: float = 0.25) -> float | None:
+    values = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+    if not values:
+        return None
+    n = max(1, int(len(values) * frac))
+    return float(np.mean(values[-n:]))
+
+
+def _summary(cfg, records, before, after, sft_s, rl_s, wall_s, task_lengths) -> dict:
+    ended = [n for r in records for n in r.get("response_lengths", [])]
+    return {
+        "accuracy_before": before["eval_accuracy"], "accuracy_after": after["eval_accuracy"],
+        "eval_k": cfg.eval.k, "eval_prompts": before["eval_samples"] // max(cfg.eval.k, 1),
+        "mask_mode": cfg.algorithm.mask_mode, "is_mode": cfg.algorithm.is_mode, "sigma": cfg.algorithm.sigma,
+        "entropy_first": next((r["entropy"] for r in records if "entropy" in r), None),
+        "entropy_last_quarter": _tail_mean(records, "entropy"),
+        "masked_fraction_last_quarter": _tail_mean(records, "masked_fraction"),
+        "reward_first_quarter": float(np.mean([r["reward_mean"] for r in records[:max(1, len(records) // 4)]
+                                               if r.get("reward_mean") is not None] or [np.nan])),
+        "reward_last_quarter": _tail_mean(records, "reward_mean"),
+        "steps": len(records), "segments": cfg.rollout.num_segments, "segment_len":
+            cfg.rollout.global_max_len // cfg.rollout.num_segments,
+        "samples_ended": len(ended),
+        "segments_mean": _tail_mean(records, "segments_mean", 1.0),
+        "truncated_fraction": _tail_mean(records, "truncated_fraction", 1.0),
+        "unfinished_pool_mean": _tail_mean(records, "pool_unfinished", 1.0),
+        "response_length_p50": float(np.percentile(ended, 50)) if ended else None,
+        "response_length_max": int(max(ended)) if ended else None,
+        "task_trace_lengths": task_lengths,
+        "seconds_warm_start": sft_s, "seconds_rl": rl_s, "seconds_total": wall_s,
+    }
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _print_summary(s: dict, run_dir: Path, plots) -> None:
+    print()
+    print("== ulorl demo summary ==")
+    print(f"held-out accuracy (avg@{s['eval_k']}, {s['eval_prompts']} prompts): "
+          f"{_fmt(s['accuracy_before'])} after warm start -> {_fmt(s['accuracy_after'])} after RL")
+    print(f"train reward: {_fmt(s['reward_first_quarter'])} (first quarter of steps) -> "
+          f"{_fmt(s['reward_last_quarter'])} (last quarter)")
+    print(f"entropy (mean per-token, {s['mask_mode']}): {_fmt(s['entropy_first'])} at the first update, "
+          f"{_fmt(s['entropy_last_quarter'])} over the last quarter; sigma = {s['sigma']}; masked fraction "
+          f"{_fmt(s['masked_fraction_last_quarter'], '.4f')}")
+    print(f"segments: {s['segments']} x {s['segment_len']} tokens; samples took {_fmt(s['segments_mean'], '.2f')} "
+          f"segments on average; unfinished pool {_fmt(s['unfinished_pool_mean'], '.1f')} samples on average; "
+          f"truncated {_fmt(s['truncated_fraction'])}; response length p50 {_fmt(s['response_length_p50'], '.0f')}, "
+          f"max {s['response_length_max']}")
+    print(f"time: warm start {s['seconds_warm_start']:.0f}s, RL {s['seconds_rl']:.0f}s, total {s['seconds_total']:.0f}s")
+    print(f"plots: {', '.join(str(p) for p in plots) if plots else 'none'}")
+    print(f"metrics: {run_dir / 'metrics.jsonl'}  (ulorl plot {run_dir} redraws the plots)")

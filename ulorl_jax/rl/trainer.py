@@ -1,0 +1,568 @@
+"""The UloRL training loop (DESIGN.md "Data flow of one RL step").
+
+Each RL step:
+  1. draw `train_batch_size` new prompts (n samples each) and run one segment
+     step over them plus the unfinished pool (ULORL.md §1, Algorithm 1);
+  2. score the samples that ended (truncated ones get 0, §1 termination 3);
+  3. move complete groups out of the experience pool, drop the ones whose
+     rewards are all equal (DAPO dynamic sampling, §4), and keep rolling out
+     fresh prompts until a batch of groups is ready or the refill budget is spent;
+  4. GRPO advantages, learner update(s) with POIS/SAIS and the DMMPT mask;
+  5. hand the new weights to the engine (same device arrays, no host round
+     trip, no recompile: params are an argument of every jitted engine call);
+  6. log, evaluate every `eval_every` steps, checkpoint every `save_every`.
+
+Everything the next step depends on — params, optimizer state, step, policy
+version, data position, both pools and the groups waiting for an update — is
+in the checkpoint, and the step's randomness is `fold_in(seed, step)`, so a
+resumed run continues exactly as the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ulorl_jax.checkpoint import CheckpointError, TrainCheckpointer
+from ulorl_jax.config import RunConfig, config_to_yaml
+from ulorl_jax.data.sources import ProblemStream, SyntheticTask, eval_prompts
+from ulorl_jax.decode.engine import PolicyEngine
+from ulorl_jax.decode.jetstream_backend import make_segment_rollout
+from ulorl_jax.decode.sampling import SamplingParams
+from ulorl_jax.decode.segment import RolloutConfig, Sample, SegmentRollout
+from ulorl_jax.metrics import MetricsWriter
+from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
+from ulorl_jax.rl.advantages import dynamic_sampling_report, grpo_advantages
+from ulorl_jax.rl.learner import Learner, LearnerConfig
+from ulorl_jax.rl.packing import TrainSample
+from ulorl_jax.sharding import MeshConfig, make_mesh
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many steps without a trainable group)."""
+
+
+# ---------------------------------------------------------------------------
+# Building the pieces from a RunConfig
+# ---------------------------------------------------------------------------
+
+
+def build_tokenizer(cfg: RunConfig):
+    """The run's tokenizer: `model.tokenizer`, else the model folder's, else the synthetic task's."""
+    folder = cfg.model.tokenizer or cfg.model.path
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot load a tokenizer from {folder} (model.tokenizer / model.path): {err}") from None
+    if cfg.data.synthetic is None:
+        raise ValueError("no tokenizer: set model.tokenizer or model.path (or use data.synthetic)")
+    from ulorl_jax.data.tokenizer import build_tokenizer as build_char_tokenizer
+    from ulorl_jax.data.tokenizer import synthetic_alphabet
+
+    return build_char_tokenizer(synthetic_alphabet())
+
+
+def build_model(cfg: RunConfig, tokenizer, seed: int):
+    from ulorl_jax.models import init_model
+    from ulorl_jax.models.native import load_any
+
+    if cfg.model.path is None:
+        model_config = cfg.model.model_config()
+        model = init_model(model_config, seed=seed)
+    else:
+        loaded = load_any(cfg.model.path, dtype=cfg.model.param_dtype)
+        model_config = cfg.model.model_config(loaded.config)
+        if model_config != loaded.config:
+            from flax import nnx
+
+            graphdef, state = nnx.split(loaded)
+            model = nnx.merge(graphdef, state)
+            model.config = model_config
+        else:
+            model = loaded
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but model vocab_size={model.config.vocab_size}")
+    return model
+
+
+def build_mesh(cfg: RunConfig):
+    """The learner's mesh; with no -1 axis it may use fewer devices than the host has (the first ones)."""
+    m = cfg.mesh
+    sizes = (m.data, m.fsdp, m.expert, m.tensor)
+    devices = jax.devices()
+    if -1 not in sizes:
+        need = int(np.prod(sizes))
+        if need > len(devices):
+            raise ValueError(f"mesh {dict(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor)} needs "
+                             f"{need} devices, {len(devices)} available")
+        devices = devices[:need]
+    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor), devices=devices)
+
+
+def learner_config(cfg: RunConfig) -> LearnerConfig:
+    a, o, t, r = cfg.algorithm, cfg.optim, cfg.trainer, cfg.rollout
+    row_len = t.row_len or (cfg.data.max_prompt_len or 0) + r.global_max_len
+    return LearnerConfig(
+        is_mode=a.is_mode, mask_mode=a.mask_mode, tau=a.tau, sigma=a.sigma, entropy_mode=a.entropy_mode,
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, loss_agg_mode=a.loss_agg_mode,
+        entropy_coeff=a.entropy_coeff, aux_loss_coef=a.aux_loss_coef,
+        lr=o.lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay, adam_b1=o.betas[0],
+        adam_b2=o.betas[1], adam_eps=o.eps, grad_clip=o.grad_clip or 0.0,
+        ppo_mini_batch_size=t.ppo_mini_batch_size, ppo_epochs=t.ppo_epochs, micro_batch_rows=t.micro_batch_rows,
+        row_len=row_len, remat="full" if t.remat else "none", logprob_chunk=t.logprob_chunk,
+        temperature=r.temperature if r.temperature > 0 else 1.0)
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def eval_sampling_params(cfg: RunConfig) -> SamplingParams:
+    e = cfg.eval
+    return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+
+
+def eos_ids(tokenizer) -> tuple[int, ...]:
+    ids = tokenizer.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id; the rollout needs one to end samples")
+    return tuple(int(i) for i in ids)
+
+
+# Keys a resumed run may change (how long, how often to log / evaluate / save); any other
+# difference from the run's saved config.yaml would silently change the experiment.
+RESUME_MUTABLE_PREFIXES = ("trainer.total_steps", "trainer.eval_every", "checkpoint.", "logging.", "eval.")
+
+
+def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
+    if not saved_path.exists():
+        return
+    import yaml
+
+    from ulorl_jax.config import config_to_dict
+
+    def flat(tree, prefix=""):
+        out = {}
+        for key, value in (tree or {}).items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict) and key not in ("arch", "overrides", "synthetic"):
+                out.update(flat(value, name + "."))
+            else:
+                out[name] = value
+        return out
+
+    saved, now = flat(yaml.safe_load(saved_path.read_text())), flat(config_to_dict(cfg))
+    changed = sorted(k for k in set(saved) | set(now)
+                     if saved.get(k) != now.get(k) and not k.startswith(RESUME_MUTABLE_PREFIXES))
+    if changed:
+        details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:8])
+        raise ValueError(f"--resume with a config that differs from the run's {saved_path} in {len(changed)} key(s) "
+                         f"({details}); resume with the same config (only {', '.join(RESUME_MUTABLE_PREFIXES)} "
+                         f"may change) or start a new --run-dir")
+
+
+# ---------------------------------------------------------------------------
+# Held-out evaluation (avg@k)
+# ---------------------------------------------------------------------------
+
+
+def evaluate(engine: PolicyEngine, params, prompts, scorer: RewardScorer, *, k: int, max_new_tokens: int,
+             max_prompt_len: int, sampling: SamplingParams, tokenizer, seed: int) -> dict[str, float]:
+    """avg@k accuracy on `prompts` (PromptItems with metadata["answer"]), mean length, truncation rate."""
+    rollout = SegmentRollout(engine, RolloutConfig(global_max_len=max_new_tokens, num_segments=1,
+                                                   samples_per_prompt=k, max_prompt_len=max_prompt_len,
+                                                   eos_token_ids=engine.eos_token_ids, sampling=sampling))
+    report = rollout.step(params, prompts, policy_version=-1, rng=jax.random.PRNGKey(seed))
+    ended = report.ended
+    rewards = score_samples(ended, scorer, tokenizer)
+    lengths = [len(s.response_ids) for s in ended]
+    return {"eval_accuracy": float(np.mean(rewards)) if rewards else 0.0,
+            "eval_length_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "eval_truncated_fraction": float(np.mean([s.finish_reason == "length" for s in ended])) if ended else 0.0,
+            "eval_samples": len(ended)}
+
+
+def response_text(sample: Sample, tokenizer) -> str:
+    return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+
+def score_samples(samples: list[Sample], scorer: RewardScorer, tokenizer) -> list[float]:
+    """Rewards in {0, 1}; stored in each sample's metadata["reward"] so the pools carry them."""
+    batch = [(response_text(s, tokenizer), str(s.metadata.get("answer", "")), s.finish_reason == "length",
+              s.metadata) for s in samples]
+    rewards = scorer.score(batch) if batch else []
+    for s, r in zip(samples, rewards):
+        s.metadata["reward"] = float(r)
+    return rewards
+
+
+# ---------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepTimes:
+    rollout: float = 0.0
+    reward: float = 0.0
+    learn: float = 0.0
+    sync: float = 0.0
+
+
+class Trainer:
+    """Owns engine, rollout, learner, reward scorer, data, metrics and checkpoints of one run."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
+                 on_step: Callable[[int, dict], None] | None = None,
+                 length_oracle: Callable[[Sample], int | None] | None = None):
+        """`length_oracle` (tests, benchmarks): ends a sample as if EOS at the length it returns."""
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.on_step = on_step
+        t = cfg.trainer
+        self.tokenizer = build_tokenizer(cfg)
+        model = build_model(cfg, self.tokenizer, seed=t.seed)
+        self.mesh = build_mesh(cfg)
+        self.learner = Learner(model, learner_config(cfg), self.mesh)
+        r = cfg.rollout
+        self.max_prompt_len = cfg.data.max_prompt_len or 1024
+        rollout_cfg = RolloutConfig(global_max_len=r.global_max_len, num_segments=r.num_segments,
+                                    samples_per_prompt=r.n, max_prompt_len=self.max_prompt_len,
+                                    eos_token_ids=eos_ids(self.tokenizer), sampling=sampling_params(cfg))
+        slots = r.max_concurrent_decodes or t.train_batch_size * r.n
+        eval_len = cfg.eval.max_new_tokens or r.global_max_len
+        max_len = self.max_prompt_len + max(r.global_max_len, eval_len)
+        self.engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len,
+                                   max_cache_len=max_len, prefill_buckets=r.prefill_buckets,
+                                   sampling=rollout_cfg.sampling, eos_token_ids=rollout_cfg.eos_token_ids,
+                                   tokenizer=self.tokenizer)
+        self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
+                                            length_oracle=length_oracle)
+        self.scorer = RewardScorer(RewardConfig(kind=cfg.reward.kind, answer_pattern=cfg.reward.answer_pattern,
+                                                timeout_s=cfg.reward.timeout_s, custom_fn=cfg.reward.custom_fn))
+        self._build_data()
+        self.step = 0
+        self.policy_version = 0
+        self.ready_groups: list[list[Sample]] = []  # kept by dynamic sampling, waiting for an update
+        self.last_trained_groups: list[list[Sample]] = []  # for inspection (tests, debugging)
+        self.consecutive_skips = 0
+        self.consecutive_nonfinite = 0  # steps in a row whose every learner update was skipped (non-finite)
+        self.nonfinite_updates_total = 0
+        self.base_key = jax.random.PRNGKey(t.seed)
+        ckpt_dir = self.run_dir / "checkpoints"
+        # Committed steps only: a run killed while writing its first checkpoint leaves just orbax's tmp folder.
+        if not resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
+                             f"or choose a new --run-dir (nothing is overwritten)")
+        self.checkpointer = TrainCheckpointer(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                                              async_save=cfg.checkpoint.async_save)
+        if resume:
+            check_resume_config(self.run_dir / "config.yaml", cfg)
+            self._restore()
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                    wandb_project=cfg.logging.wandb_project,
+                                    resume_step=self.step + 1)  # drops lines no checkpoint covers
+
+    # -- data --------------------------------------------------------------------------
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        if cfg.data.synthetic is None:
+            self.task = None
+            if not cfg.data.train_files:
+                raise ValueError("data.train_files is empty and data.synthetic is null: no prompts to train on")
+            self.prompts = self._prompt_stream(cfg.data.train_files, shuffle=True)
+            self.eval_set = []
+            if cfg.data.eval_files:
+                stream = self._prompt_stream(cfg.data.eval_files, shuffle=False)
+                self.eval_set = stream.take(len(stream))
+            return
+        self.task = SyntheticTask.from_options(cfg.data.synthetic)
+        self.prompts = ProblemStream(self.task.train, self.tokenizer, seed=cfg.data.shuffle_seed,
+                                     apply_chat_template=cfg.data.apply_chat_template)
+        self.eval_set = eval_prompts(self.task.eval, self.tokenizer, cfg.data.apply_chat_template)
+
+    def _prompt_stream(self, files: list[str], shuffle: bool):
+        from ulorl_jax.data.prompts import PromptDataConfig, PromptStream, load_prompts
+
+        d = self.cfg.data
+        records, bad = [], []
+        for path in files:
+            config = PromptDataConfig(path=path, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                      max_prompt_len=self.max_prompt_len, on_bad_row=d.on_bad_row,
+                                      use_chat_template=d.apply_chat_template, shuffle=shuffle, seed=d.shuffle_seed)
+            config.validate()
+            got, rejected = load_prompts(config, self.tokenizer)
+            records += got
+            bad += rejected
+        if bad:
+            log.warning("skipped %d malformed prompt rows (data.on_bad_row=skip), e.g. %s", len(bad), bad[0])
+        if not records:
+            raise ValueError(f"no usable prompts in {files}")
+        return PromptStream(records, seed=d.shuffle_seed, shuffle=shuffle, bad_rows=bad)
+
+    # -- supervised warm start (the demo's "sometimes wrong" traces) -------------------
+
+    def warm_start(self, steps: int, batch: int, lr: float, progress: Callable[[int, dict], None] | None = None
+                   ) -> list[dict]:
+        """`steps` supervised updates on noisy synthetic traces with their own AdamW at `lr`;
+        the RL learner then starts from those weights with a fresh optimizer state."""
+        if self.task is None:
+            raise ValueError("trainer.sft_steps > 0 needs data.synthetic (warm-start traces are generated)")
+        sft = Learner(self.learner.model, dataclasses.replace(self.learner.config, lr=lr, warmup_steps=0,
+                                                              ppo_mini_batch_size=None), self.mesh)
+        eos = self.rollout.config.eos_token_ids[0]
+        history = []
+        for i in range(steps):
+            pairs = self.task.warm_start_traces(i, batch)
+            samples = [TrainSample(prompt_ids=self.prompts_ids(p.prompt),
+                                   response_ids=list(self.tokenizer.encode(trace, add_special_tokens=False)) + [eos],
+                                   advantage=0.0, reward=0.0, logprobs=None) for p, trace in pairs]
+            metrics = sft.sft_update(samples)
+            history.append(metrics)
+            if progress:
+                progress(i + 1, metrics)
+        self.learner.load_state_dict({"params": sft.params, "opt_state": self.learner.opt_state,
+                                      "step": self.learner.step})
+        return history
+
+    def prompts_ids(self, text: str) -> list[int]:
+        from ulorl_jax.data.sources import encode_prompt
+
+        return encode_prompt(self.tokenizer, text, self.cfg.data.apply_chat_template)
+
+    # -- one RL step -------------------------------------------------------------------
+
+    def _rollout_round(self, key, times: StepTimes, acc: dict) -> None:
+        prompts = self.prompts.take(self.cfg.trainer.train_batch_size)
+        t0 = time.perf_counter()
+        report = self.rollout.step(self.learner.params, prompts, self.policy_version, key)
+        t1 = time.perf_counter()
+        rewards = score_samples(report.ended, self.scorer, self.tokenizer)
+        times.rollout += t1 - t0
+        times.reward += time.perf_counter() - t1
+        acc["reports"].append(report)
+        acc["ended"] += report.ended
+        acc["rewards"] += rewards
+        groups = self.rollout.experience_pool.pop_complete_groups()
+        if not groups:
+            return
+        group_rewards = np.asarray([[s.metadata["reward"] for s in g] for g in groups], np.float32)
+        acc["groups"] += len(groups)
+        if self.cfg.algorithm.dynamic_sampling:
+            ds = dynamic_sampling_report(group_rewards)
+            acc["dropped_all_correct"] += ds.dropped_all_correct
+            acc["dropped_all_wrong"] += ds.dropped_all_wrong
+            acc["dropped_other"] += ds.dropped_other_constant
+            keep = ~(group_rewards == group_rewards[:, :1]).all(axis=-1)
+            groups = [g for g, k in zip(groups, keep) if k]
+        self.ready_groups += groups
+
+    def train_samples(self, groups: list[list[Sample]]) -> list[TrainSample]:
+        rewards = np.asarray([[s.metadata["reward"] for s in g] for g in groups], np.float32)
+        adv = np.asarray(grpo_advantages(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std))
+        return [TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantage=float(adv[i, j]),
+                            reward=float(s.metadata["reward"]), logprobs=s.logprobs)
+                for i, g in enumerate(groups) for j, s in enumerate(g)]
+
+    def train_step(self) -> dict[str, Any]:
+        """One RL step; returns the metrics written to metrics.jsonl."""
+        cfg, t = self.cfg, self.cfg.trainer
+        start = time.perf_counter()
+        times = StepTimes()
+        acc = {"reports": [], "ended": [], "rewards": [], "groups": 0, "dropped_all_correct": 0,
+               "dropped_all_wrong": 0, "dropped_other": 0}
+        step_key = jax.random.fold_in(self.base_key, self.step)
+        rounds = 0
+        while True:
+            self._rollout_round(jax.random.fold_in(step_key, rounds), times, acc)
+            rounds += 1
+            if len(self.ready_groups) >= t.train_batch_size or rounds >= max(1, t.dynamic_sampling_max_rounds):
+                break
+        metrics: dict[str, Any] = {}
+        if self.ready_groups:
+            groups, self.ready_groups = self.ready_groups, []
+            self.last_trained_groups = groups
+            samples = self.train_samples(groups)
+            t0 = time.perf_counter()
+            learn = self.learner.update(samples)
+            times.learn = time.perf_counter() - t0
+            if learn["skipped"] < learn["updates"]:  # the weights changed
+                self.policy_version += 1
+            self.consecutive_skips = 0
+            metrics.update(learn)
+            metrics.update(self._nonfinite_guard(learn))
+            metrics["trained_samples"] = len(samples)
+            # Which samples this step consumed: a resumed run can be checked to train each exactly once.
+            metrics["trained_uids"] = sorted(s.uid for g in groups for s in g)
+            metrics["trained_groups"] = len(groups)
+            metrics["learner_tokens_per_s"] = learn.get("tokens", 0.0) / max(times.learn, 1e-9)
+            versions = [v for g in groups for s in g for v in s.policy_versions]
+            metrics["policy_version_spread"] = (max(versions) - min(versions)) if versions else 0
+        else:
+            self.consecutive_skips += 1
+            metrics["trained_samples"] = 0
+            if self.consecutive_skips > t.max_consecutive_skips:
+                raise TrainingError(
+                    f"{self.consecutive_skips} consecutive steps without a trainable group (every complete group "
+                    f"had equal rewards, or none completed); trainer.max_consecutive_skips={t.max_consecutive_skips}")
+        # Weight sync: the engine's calls take the learner's current param arrays as an argument
+        # (same devices, no host copy, no recompile); timing the handover keeps the split honest.
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.learner.params)
+        times.sync = time.perf_counter() - t0
+        self.step += 1
+        metrics.update(self._rollout_metrics(acc, times))
+        metrics["step_seconds"] = time.perf_counter() - start
+        metrics["policy_version"] = self.policy_version
+        metrics["rollout_rounds"] = rounds
+        if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
+            metrics.update(self.evaluate())
+        metrics["reward_stats"] = self.scorer.stats.to_dict()
+        self.writer.write(self.step, metrics)
+        if self.consecutive_nonfinite >= t.max_consecutive_nonfinite:
+            raise TrainingError(
+                f"step {self.step}: {self.consecutive_nonfinite} consecutive steps whose every learner update had a "
+                f"non-finite loss or gradient (all skipped, weights unchanged since the last good update); "
+                f"trainer.max_consecutive_nonfinite={t.max_consecutive_nonfinite}. Resume from the last checkpoint "
+                f"with a lower optim.lr or tighter optim.grad_clip, or inspect the data of these steps")
+        if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
+            self.save()
+        return metrics
+
+    def _nonfinite_guard(self, learn: dict) -> dict[str, Any]:
+        """Count updates the learner skipped for a non-finite loss / grad norm (it kept the old state)."""
+        skipped, updates = int(learn["skipped"]), int(learn["updates"])
+        self.nonfinite_updates_total += skipped
+        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skipped == updates else 0
+        if skipped:
+            log.warning("step %d: %d of %d learner updates skipped (non-finite loss %s or grad norm %s); "
+                        "%d consecutive all-skipped steps (trainer.max_consecutive_nonfinite=%d)", self.step + 1,
+                        skipped, updates, learn.get("loss"), learn.get("grad_norm"), self.consecutive_nonfinite,
+                        self.cfg.trainer.max_consecutive_nonfinite)
+        # No loss scaling here (f32 / bf16 keep f32's exponent range): overflow shows as these skips.
+        return {"nonfinite_updates": skipped, "nonfinite_consecutive_steps": self.consecutive_nonfinite,
+                "nonfinite_updates_total": self.nonfinite_updates_total}
+
+    def _rollout_metrics(self, acc: dict, times: StepTimes) -> dict[str, Any]:
+        ended, rewards, reports = acc["ended"], acc["rewards"], acc["reports"]
+        lengths = [len(s.response_ids) for s in ended]
+        decoded = sum(r.tokens_decoded for r in reports)
+        return {
+            "reward_mean": float(np.mean(rewards)) if rewards else None,
+            "accuracy": float(np.mean([r >= 1.0 for r in rewards])) if rewards else None,
+            "ended_samples": len(ended),
+            "response_length_mean": float(np.mean(lengths)) if lengths else None,
+            "response_length_max": int(max(lengths)) if lengths else None,
+            "response_lengths": lengths,
+            "truncated_fraction": float(np.mean([s.finish_reason == "length" for s in ended])) if ended else None,
+            "segments_mean": float(np.mean([s.segments for s in ended])) if ended else None,
+            "pool_unfinished": len(self.rollout.unfinished_pool),
+            "pool_experience": len(self.rollout.experience_pool),
+            "groups_complete": acc["groups"],
+            "groups_dropped_all_correct": acc["dropped_all_correct"],
+            "groups_dropped_all_wrong": acc["dropped_all_wrong"],
+            "groups_dropped_other": acc["dropped_other"],
+            "groups_waiting": len(self.ready_groups),
+            "rollout_tokens": decoded,
+            "rollout_tokens_per_s": decoded / max(times.rollout, 1e-9),
+            "slot_occupancy": float(np.mean([r.slot_occupancy for r in reports])) if reports else None,
+            "time_rollout": times.rollout, "time_reward": times.reward, "time_learn": times.learn,
+            "time_sync": times.sync,
+        }
+
+    def evaluate(self, k: int | None = None, seed: int | None = None) -> dict[str, float]:
+        if not self.eval_set:
+            return {}
+        cfg = self.cfg
+        return evaluate(self.engine, self.learner.params, self.eval_set, self.scorer, k=k or cfg.eval.k,
+                        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.global_max_len,
+                        max_prompt_len=self.max_prompt_len, sampling=eval_sampling_params(cfg),
+                        tokenizer=self.tokenizer, seed=cfg.trainer.seed + 1 if seed is None else seed)
+
+    def fit(self, progress=None) -> None:
+        """Train until trainer.total_steps (checkpoints as configured, and a final one)."""
+        total = self.cfg.trainer.total_steps
+        while self.step < total:
+            metrics = self.train_step()
+            if progress is not None:
+                progress.update(self.step, metrics)
+            if self.on_step:
+                self.on_step(self.step, metrics)
+        if self.cfg.checkpoint.save_every == 0 or self.step % self.cfg.checkpoint.save_every:
+            self.save()
+        self.checkpointer.wait()
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def state_meta(self) -> dict:
+        return {"step": self.step, "policy_version": self.policy_version,
+                "learner_step": self.learner.step, "consecutive_skips": self.consecutive_skips,
+                "consecutive_nonfinite": self.consecutive_nonfinite,
+                "nonfinite_updates_total": self.nonfinite_updates_total,
+                "prompts": self.prompts.state_dict(), "rollout": self.rollout.state_dict(),
+                "ready_groups": [[s.to_dict() for s in g] for g in self.ready_groups]}
+
+    def save(self) -> None:
+        """Checkpoint the run state. Orbax commits a step atomically, so a failed save (disk full,
+        unwritable folder) leaves the last committed checkpoint as it was; then, per
+        checkpoint.on_save_error, stop with a CheckpointError or log the failure and train on."""
+        try:
+            self.checkpointer.save(self.step, params=self.learner.params, opt_state=self.learner.opt_state,
+                                   rng=self.base_key, meta=self.state_meta())
+            # The learner donates its arrays to the next update: let the save finish reading them.
+            self.checkpointer.wait()
+        except Exception as err:
+            try:
+                kept = self.checkpointer.latest_step()
+            except Exception:  # the folder itself may be unreadable
+                kept = None
+            intact = (f"the last committed checkpoint (step {kept}) is intact" if kept is not None
+                      else "there is no earlier committed checkpoint")
+            if self.cfg.checkpoint.on_save_error == "continue":
+                log.error("checkpoint at step %d failed (%s); %s; training continues "
+                          "(checkpoint.on_save_error=continue)", self.step, err, intact)
+                return
+            raise CheckpointError(f"{err}; {intact}. The run stopped (checkpoint.on_save_error=stop): free space or "
+                                  f"fix permissions, then continue with --resume") from None
+
+    def _restore(self) -> None:
+        if self.checkpointer.latest_step() is None:
+            raise ValueError(f"--resume: no checkpoint in {self.checkpointer.directory}")
+        params, opt_state, rng, meta = self.checkpointer.restore(params_target=self.learner.params,
+                                                                 opt_state_target=self.learner.opt_state)
+        self.learner.load_state_dict({"params": params, "opt_state": opt_state, "step": meta["learner_step"]})
+        self.base_key = rng
+        self.step = int(meta["step"])
+        self.policy_version = int(meta["policy_version"])
+        self.consecutive_skips = int(meta["consecutive_skips"])
+        self.consecutive_nonfinite = int(meta.get("consecutive_nonfinite", 0))  # absent in older checkpoints
+        self.nonfinite_updates_total = int(meta.get("nonfinite_updates_total", 0))
+        self.prompts.load_state_dict(meta["prompts"])
+        self.rollout.load_state_dict(meta["rollout"])
+        self.ready_groups = [[Sample.from_dict(d) for d in g] for g in meta["ready_groups"]]
+        log.info("resumed from %s at step %d", self.checkpointer.directory, self.step)
+
+    def close(self) -> None:
+        try:
+            self.checkpointer.close()
+        finally:  # a failed background save must not leave the writer open or reward workers running
+            try:
+                self.writer.close()
+            finally:
+                self.scorer.close()
