@@ -125,7 +125,7 @@ def test_wrong_type_names_key_value_and_expected(override, pattern):
     (["algorithm.tau=0"], r"algorithm\.tau=0\.0: expected a probability in \(0, 1\]"),
     (["algorithm.tau=1.01"], r"algorithm\.tau"),
     (["algorithm.sigma=0"], r"algorithm\.sigma=0\.0: expected a target entropy > 0"),
-    (["rollout.num_segments=3"], r"rollout\.num_segments=3: expected a divisor of rollout\.global_max_len=128"),
+    (["rollout.num_segments=5"], r"rollout\.num_segments=5: expected a divisor of rollout\.global_max_len=96"),
     (["rollout.num_segments=0"], r"rollout\.num_segments=0"),
     (["algorithm.clip_ratio_low=-0.1"], r"algorithm\.clip_ratio_low"),
     (["algorithm.clip_ratio_high=-1"], r"algorithm\.clip_ratio_high"),
@@ -234,7 +234,7 @@ VALID = {
     "rollout.temperature": st.floats(min_value=0.0, max_value=5.0),
     "rollout.top_p": st.floats(min_value=1e-6, max_value=1.0),
     "rollout.top_k": st.integers(0, 1000),
-    "rollout.num_segments": st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]),  # divisors of 128
+    "rollout.num_segments": st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]),  # divisors of 96
     "trainer.seed": st.integers(0, 2**31 - 1),
     "trainer.total_steps": st.integers(0, 10**6),
     "eval.k": st.integers(1, 1024),

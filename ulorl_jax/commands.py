@@ -11,7 +11,6 @@ a pod run takes, at a size that fits a laptop-class CPU.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys

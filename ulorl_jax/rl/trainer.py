@@ -523,8 +523,9 @@ class Trainer:
         unwritable folder) leaves the last committed checkpoint as it was; then, per
         checkpoint.on_save_error, stop with a CheckpointError or log the failure and train on."""
         try:
+            # The key goes as host data: with several processes orbax refuses a host-local device array.
             self.checkpointer.save(self.step, params=self.learner.params, opt_state=self.learner.opt_state,
-                                   rng=self.base_key, meta=self.state_meta())
+                                   rng=np.asarray(self.base_key), meta=self.state_meta())
             # The learner donates its arrays to the next update: let the save finish reading them.
             self.checkpointer.wait()
         except Exception as err:
