@@ -19,7 +19,7 @@ from pathlib import Path
 
 OVERRIDES_HELP = "config overrides as dotted key=value, e.g. algorithm.mask_mode=none trainer.total_steps=20"
 
-# `--quick`: the same demo, small enough for CI (about two minutes on 2 cores).
+# `--quick`: the same demo, small enough for CI (about 2.5 minutes on 2 idle cores).
 QUICK_OVERRIDES = ["trainer.sft_steps=100", "trainer.total_steps=8", "trainer.eval_every=0", "eval.k=1",
                    "checkpoint.save_every=0", "data.synthetic.num_eval=16"]
 
@@ -176,7 +176,7 @@ def add_parsers(sub) -> None:
                     "step-by-step traces that are sometimes wrong, then runs UloRL (segment rollout, POIS, DMMPT) "
                     "on 2 CPU cores. Prints held-out accuracy before and after RL, entropy against sigma and "
                     "segment statistics, and writes plots to RUN_DIR/plots/.")
-    demo.add_argument("--quick", action="store_true", help="a ~2 minute version (for CI and a first look)")
+    demo.add_argument("--quick", action="store_true", help="a ~2.5 minute version (for CI and a first look)")
     demo.add_argument("--run-dir", default="runs/demo", help="run folder (default runs/demo)")
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object as the last line")
     demo.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
