@@ -95,3 +95,25 @@ def test_resume_with_a_changed_experiment_config_is_refused(tmp_path):
         Trainer(tiny_config("algorithm.mask_mode=none"), tmp_path / "run", resume=True)
     # how long to train and how often to save may change
     Trainer(tiny_config("trainer.total_steps=3", "checkpoint.save_every=0"), tmp_path / "run", resume=True).close()
+
+
+def test_ulorl_eval_on_a_jsonl_benchmark(tmp_path, capsys):
+    """`ulorl eval --data FILE.jsonl`: avg@k over the file's prompts with the eval sampling settings."""
+    import json
+
+    from ulorl_jax.cli import main
+    from ulorl_jax.data.synthetic import SyntheticConfig, generate_problems, problem_rows, write_jsonl
+    from ulorl_jax.data.tokenizer import build_tokenizer, synthetic_alphabet
+
+    tok_dir = tmp_path / "tok"
+    build_tokenizer(synthetic_alphabet()).save_pretrained(tok_dir)
+    rows = problem_rows(generate_problems(SyntheticConfig(max_operands=3), 3, seed=0))
+    data = write_jsonl(rows, tmp_path / "bench.jsonl")
+    from trainer_utils import TINY
+
+    argv = ["eval", "--config", "tiny_cpu", "--data", str(data), "--k", "2", "--json",
+            *TINY, f"model.tokenizer={tok_dir}"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["eval_samples"] == 3 * 2
+    assert 0.0 <= result["eval_accuracy"] <= 1.0 and result["eval_length_mean"] > 0

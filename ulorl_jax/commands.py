@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import tempfile
 import time
-from pathlib import Path
 
 OVERRIDES_HELP = "config overrides as dotted key=value, e.g. algorithm.mask_mode=none trainer.total_steps=20"
 
@@ -94,17 +94,17 @@ def _eval(args) -> int:
         overrides.append(f"model.path={args.model}")
     if args.data:
         overrides += [f"data.eval_files=[{args.data}]", "data.synthetic=null"]
-        if not args.config and not any(o.startswith("data.train_files") for o in overrides):
+        if not any(o.startswith("data.train_files") for o in overrides):  # the trainer wants a prompt stream
             overrides.append(f"data.train_files=[{args.data}]")
     cfg = _load(args.config, overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else Path(_tmpdir())
-    trainer = Trainer(cfg, run_dir, resume=bool(args.run_dir))
-    try:
-        start = time.perf_counter()
-        result = trainer.evaluate(k=args.k)
-        result["seconds"] = time.perf_counter() - start
-    finally:
-        trainer.close()
+    with tempfile.TemporaryDirectory(prefix="ulorl-eval-") as scratch:  # a run folder only when none is given
+        trainer = Trainer(cfg, args.run_dir or scratch, resume=bool(args.run_dir))
+        try:
+            start = time.perf_counter()
+            result = trainer.evaluate(k=args.k)
+            result["seconds"] = time.perf_counter() - start
+        finally:
+            trainer.close()
     if not result:
         raise ValueError("nothing to evaluate: give --data FILE.jsonl or data.eval_files (or data.synthetic)")
     print(f"avg@{args.k or cfg.eval.k} accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples; "
@@ -112,12 +112,6 @@ def _eval(args) -> int:
     if args.json:
         print(json.dumps(result))
     return 0
-
-
-def _tmpdir() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="ulorl-eval-")
 
 
 # ---------------------------------------------------------------------------
