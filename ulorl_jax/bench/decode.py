@@ -30,18 +30,7 @@ from ulorl_jax.bench import forward as fwd
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("model")
-    g.add_argument("--model-type", choices=["qwen3", "qwen3_moe"], default="qwen3", help="default qwen3")
-    g.add_argument("--hidden-size", type=int, default=256, help="default 256")
-    g.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    g.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
-    g.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
-    g.add_argument("--head-dim", type=int, default=32, help="default 32")
-    g.add_argument("--intermediate-size", type=int, default=512, help="dense MLP width (default 512)")
-    g.add_argument("--experts", type=int, default=8, help="MoE experts (default 8)")
-    g.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
-    g.add_argument("--moe-intermediate-size", type=int, default=128, help="expert MLP width (default 128)")
-    g.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+    fwd.add_model_arguments(parser, model_type="qwen3")
     g = parser.add_argument_group("run")
     g.add_argument("--batch", type=int, default=8, help="prompts = engine slots (default 8)")
     g.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")

@@ -52,10 +52,11 @@ TORCH_ATTENTION = ("sdpa", "eager")
 TORCH_EXPERTS = ("grouped_mm", "eager", "batched_mm")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_model_arguments(parser: argparse.ArgumentParser, model_type: str = "qwen3_moe") -> None:
+    """The benchmark model's shape flags (shared by the benches that build a tiny model from them)."""
     g = parser.add_argument_group("model")
-    g.add_argument("--model-type", choices=["qwen3", "qwen3_moe"], default="qwen3_moe",
-                   help="dense Qwen3 or Qwen3-MoE (default qwen3_moe)")
+    g.add_argument("--model-type", choices=["qwen3", "qwen3_moe"], default=model_type,
+                   help=f"dense Qwen3 or Qwen3-MoE (default {model_type})")
     g.add_argument("--hidden-size", type=int, default=256, help="default 256")
     g.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     g.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
@@ -66,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     g.add_argument("--moe-intermediate-size", type=int, default=128, help="expert MLP width (default 128)")
     g.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_model_arguments(parser)
     g = parser.add_argument_group("run")
     g.add_argument("--batch", type=int, default=4, help="default 4")
     g.add_argument("--seq-len", type=int, default=256, help="default 256")
