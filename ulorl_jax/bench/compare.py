@@ -18,7 +18,6 @@ first-call (compile) times, the backend (CPU here; GPU when one is present).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -236,10 +235,7 @@ def format_table(r: dict) -> str:
     lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}, "
                  f"transformers {mc['transformers']}; load avg {mc['loadavg_before']} -> {mc['loadavg_after']}; "
                  f"{mc['date']}")
-    bg = mc.get("cpu_during_timing")
-    if bg:
-        lines.append(f"CPU during timing: this process {bg['this_process_frac']:.2f}, other processes "
-                     f"{bg['other_processes_frac']:.2f}" + ("  <- noisy" if bg["other_processes_frac"] > 0.1 else ""))
+    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
     return "\n".join(lines)
 
 
@@ -249,10 +245,7 @@ def _cli(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("bench compare needs PyTorch: install it with pip install -e '.[test]'") from None
     result = run(args)
-    print(format_table(result))
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return fwd.print_result(result, format_table(result), args.json)
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:

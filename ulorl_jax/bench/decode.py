@@ -21,7 +21,6 @@ mixed lengths (uniform in [N/4, N]) over `--batch` slots.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -57,10 +56,7 @@ def _cli(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("bench decode compares against PyTorch: install it with pip install -e '.[test]'") from None
     result = run(args)
-    print(format_table(result))
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return fwd.print_result(result, format_table(result), args.json)
 
 
 def run(args) -> dict:
@@ -180,9 +176,5 @@ def format_table(r: dict) -> str:
         f"transformers {mc['transformers']}; load avg before {mc['loadavg_before']} after {mc['loadavg_after']}; "
         f"{mc['date']}",
     ]
-    bg = mc.get("cpu_during_timing")
-    if bg:
-        lines.append(f"CPU during timed runs (fraction of all cores): this process {bg['this_process_frac']:.2f}, "
-                     f"other processes {bg['other_processes_frac']:.2f}, steal {bg['steal_frac']:.2f}"
-                     + ("  <- noisy: timings unreliable" if bg["other_processes_frac"] > 0.1 else ""))
+    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
     return "\n".join(lines)

@@ -411,12 +411,29 @@ def format_table(result: dict) -> str:
         f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs, {mc['jax_device_count']} JAX device(s); "
         f"load avg before {mc['loadavg_before']} after {mc['loadavg_after']}; {mc['date']}",
     ]
-    bg = mc.get("cpu_during_timing")
-    if bg:
-        lines.append(f"CPU during timed calls (fraction of all cores): this process {bg['this_process_frac']:.2f}, "
-                     f"other processes {bg['other_processes_frac']:.2f}, hypervisor steal {bg['steal_frac']:.2f}"
-                     + ("  <- noisy: timings unreliable" if bg["other_processes_frac"] > 0.1 else ""))
+    lines += [line for line in (cpu_load_line(mc),) if line]
     return "\n".join(lines)
+
+
+NOISY_OTHER_FRAC = 0.1  # other processes' CPU share above which timings are flagged as unreliable
+
+
+def cpu_load_line(machine: dict) -> str | None:
+    """One line on how much of the CPU the timed calls got (None when not measured); shared by every bench."""
+    bg = machine.get("cpu_during_timing")
+    if not bg:
+        return None
+    noisy = "  <- noisy: timings unreliable" if bg["other_processes_frac"] > NOISY_OTHER_FRAC else ""
+    return (f"CPU during timing (fraction of all cores): this process {bg['this_process_frac']:.2f}, "
+            f"other processes {bg['other_processes_frac']:.2f}, steal {bg.get('steal_frac', 0.0):.2f}{noisy}")
+
+
+def print_result(result: dict, table: str, as_json: bool) -> int:
+    """The bench output contract: a human table, then (with --json) one JSON object as the last line."""
+    print(table)
+    if as_json:
+        print(json.dumps(result))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,10 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     result = run(args)
-    print(format_table(result))
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return print_result(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ how memory grows with sequence length.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -294,10 +293,7 @@ def format_table(result: dict) -> str:
                          f"{row['temp_bytes'] / 2**20 / (row['seq_len'] / 1024):>14.2f}")
     lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; load avg before {mc['loadavg_before']} "
                  f"after {mc['loadavg_after']}; {mc['date']}")
-    bg = mc.get("cpu_during_timing")
-    if bg:
-        lines.append(f"CPU during timed steps: this process {bg['this_process_frac']:.2f}, other processes "
-                     f"{bg['other_processes_frac']:.2f}" + ("  <- noisy" if bg["other_processes_frac"] > 0.1 else ""))
+    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
     return "\n".join(lines)
 
 
@@ -307,10 +303,7 @@ def _cli(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("bench learner compares against PyTorch: install it with pip install -e '.[test]'") from None
     result = run(args)
-    print(format_table(result))
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return fwd.print_result(result, format_table(result), args.json)
 
 
 def add_parser(subparsers) -> None:

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 
 import numpy as np
 
+from ulorl_jax.bench import forward as fwd
 from ulorl_jax.bench import segment_cost as sc
 
 
@@ -252,7 +252,6 @@ def run(args) -> dict:
     dist = sc.LengthDistribution(s["global_max_len"], body=s["body"], truncated=s["truncated"], seed=s["seed"])
     if s["model_scale"]:
         return projection(s, dist)
-    from ulorl_jax.bench import forward as fwd
 
     from rich.progress import Progress
 
@@ -349,20 +348,13 @@ def format_table(r: dict) -> str:
               "slots: fraction of engine slots generating; batch occ: fraction of the step's samples generating per "
               "decode iteration; versions: policy versions per trained sample; ledger: trained / created "
               "(each exactly once)"]
-    bg = mc.get("cpu_during_timing")
-    if bg:
-        lines.append(f"CPU during timing: this process {bg['this_process_frac']:.2f}, other processes "
-                     f"{bg['other_processes_frac']:.2f}" + ("  <- noisy: timings unreliable"
-                                                            if bg["other_processes_frac"] > 0.1 else ""))
+    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
     return "\n".join(lines)
 
 
 def _cli(args) -> int:
     result = run(args)
-    print(format_table(result))
-    if args.json:
-        print(json.dumps(result))
-    return 0
+    return fwd.print_result(result, format_table(result), args.json)
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:
