@@ -1,0 +1,90 @@
+"""The Pallas kernels lower for CUDA (Pallas -> Triton IR) on a machine without a GPU.
+
+`jax.export(..., platforms=["cuda"])` runs the real GPU lowering path: Pallas'
+Triton lowering turns every kernel body into a Triton module (a
+`__gpu$xla.gpu.triton` custom call holding the serialized IR). That lowering
+rejects what Triton cannot express (block shapes, unsupported ops, dtype
+mixes), so these tests catch a kernel that only works in interpret mode long
+before a GPU run. What they do not cover: Triton -> PTX compilation, numerics
+and speed on a real GPU (benchmarks/attention.py does those on a GPU host).
+
+Shapes use the GPU default block sizes, bf16, GQA and lengths that are not
+multiples of the blocks, so the padded paths lower too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from ulorl_jax.kernels import decode_attention, flash_attention, grouped_matmul
+from ulorl_jax.kernels.decode_attention import default_decode_params
+from ulorl_jax.kernels.flash_attention import default_block_sizes
+from ulorl_jax.kernels.grouped_matmul import default_gmm_block_sizes
+
+TRITON = "__gpu$xla.gpu.triton"
+
+
+def _cuda_module(fn, *args) -> str:
+    """StableHLO text of `fn` lowered for CUDA (Triton custom calls allowed)."""
+    exported = export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    return exported.mlir_module()
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _triton_kernels(module: str) -> set[str]:
+    """Names of the Triton kernels called in a lowered module."""
+    names = set()
+    for line in module.splitlines():
+        if TRITON in line and 'name = "' in line:
+            names.add(line.split('name = "', 1)[1].split('"', 1)[0])
+    return names
+
+
+@pytest.mark.parametrize("causal,segments", [(True, False), (False, False), (True, True)])
+def test_flash_attention_forward_and_backward_lower_to_triton(causal, segments):
+    blocks = default_block_sizes("gpu")
+    b, t, hq, hkv, d = 1, 200, 8, 2, 128  # 200: not a multiple of the 64 blocks; GQA 4
+    q, kv = _spec((b, t, hq, d)), _spec((b, t, hkv, d))
+    seg = _spec((b, t), jnp.int32) if segments else None
+
+    def loss(q, k, v, *seg_ids):
+        out = flash_attention(q, k, v, causal=causal, segment_ids=seg_ids[0] if seg_ids else None,
+                              interpret=False, **blocks)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    args = (q, kv, kv) + ((seg,) if segments else ())
+    forward = _triton_kernels(_cuda_module(loss, *args))
+    assert forward, "no Triton kernel in the forward lowering"
+    grads = _triton_kernels(_cuda_module(jax.grad(loss, argnums=(0, 1, 2)), *args))
+    assert len(grads) >= 3, f"forward + dq + dk/dv kernels expected in the backward lowering, got {grads}"
+
+
+def test_decode_attention_lowers_to_triton():
+    params = default_decode_params("gpu")
+    b, s, hq, hkv, d = 2, 1000, 8, 2, 128  # cache not a multiple of block_k * num_splits
+    fn = lambda q, k, v, n: decode_attention(q, k, v, n, interpret=False, **params)  # noqa: E731
+    module = _cuda_module(fn, _spec((b, hq, d)), _spec((b, s, hkv, d)), _spec((b, s, hkv, d)),
+                          _spec((b,), jnp.int32))
+    assert _triton_kernels(module), "no Triton kernel in the decode attention lowering"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_grouped_matmul_and_its_gradients_lower_to_triton(dtype):
+    blocks = default_gmm_block_sizes("gpu")
+    m, k, n, g = 300, 192, 256, 8  # rows not a multiple of block_m
+
+    def loss(lhs, rhs, sizes):
+        out = grouped_matmul(lhs, rhs, sizes, interpret=False, **blocks)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    args = (_spec((m, k), dtype), _spec((g, k, n), dtype), _spec((g,), jnp.int32))
+    assert _triton_kernels(_cuda_module(loss, *args))
+    grads = _triton_kernels(_cuda_module(jax.grad(loss, argnums=(0, 1)), *args))
+    assert len(grads) >= 2, f"d_lhs (grouped matmul) and d_rhs (transposed grouped matmul) expected, got {grads}"
