@@ -143,7 +143,7 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from ulorl_jax.rl.learner import MICRO_KEYS, _optimizer_shardings, build_train_step, make_optimizer
-    from ulorl_jax.sharding import BATCH_AXES, param_shardings
+    from ulorl_jax.sharding import BATCH_AXES, mesh_context, param_shardings
 
     graphdef, params, other, _ = abstract_model(model_config)
     param_sh = param_shardings(params, mesh)
@@ -160,7 +160,7 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
                  batch_entropy=jax.ShapeDtypeStruct((), np.float32, sharding=rep),
                  old_from_current=jax.ShapeDtypeStruct((), np.bool_, sharding=rep),
                  aux_scale=jax.ShapeDtypeStruct((), np.float32, sharding=rep))
-    step = jax.jit(build_train_step(graphdef, other, tx, learner_config, "policy"),
+    step = jax.jit(mesh_context(build_train_step(graphdef, other, tx, learner_config, "policy"), mesh),
                    in_shardings=(param_sh, opt_sh, {k: v.sharding for k, v in batch.items()}),
                    out_shardings=(param_sh, opt_sh, rep), donate_argnums=(0, 1))
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ sharded parameters and optimizer state), `expert` (MoE experts), `tensor`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -151,6 +152,19 @@ def init_sharded(config, mesh: Mesh, rules: dict | None = None, seed: int = 0):
     shardings = param_shardings(abstract_state, mesh, rules)
     state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
+
+
+def mesh_context(fn, mesh: Mesh):
+    """`fn` traced with `mesh` as jax's (abstract) mesh context, for use under `jax.jit`: model
+    code that needs the mesh reads `jax.sharding.get_abstract_mesh()` (models/moe_parallel.py)
+    instead of taking a mesh argument. The jit must place its arguments on `mesh` (in_shardings)."""
+
+    @functools.wraps(fn)
+    def traced_under_mesh(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced_under_mesh
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

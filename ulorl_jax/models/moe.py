@@ -8,10 +8,14 @@ Experts are dropless: every (token, expert) assignment is computed.
   `jax.lax.ragged_dot` (a grouped matmul; no capacity, no padding per expert).
 - `dense`: every expert on every token, weighted by a [N, E] combine matrix.
   Slow; kept as the reference the grouped path is tested against.
+Under a mesh context that splits tokens over devices, the experts run
+expert-parallel (moe_parallel.py) with the same functions on each device's
+slice of the experts (`expert_offset`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -20,6 +24,7 @@ from flax import nnx
 
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
 from ulorl_jax.models.fallback import warn_once
+from ulorl_jax.models.moe_parallel import experts_parallel, expert_parallel_mesh
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +39,41 @@ def route(x: jnp.ndarray, router_w: jnp.ndarray, top_k: int, norm_topk_prob: boo
     return router_logits, weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def experts_ragged(x, weights, experts, w_gate, w_up, w_down) -> jnp.ndarray:
+def experts_ragged(x, weights, experts, w_gate, w_up, w_down, *, expert_offset=None,
+                   grouped_matmul=jax.lax.ragged_dot) -> jnp.ndarray:
     """Grouped-matmul experts. x [N, D]; weights / experts [N, K];
-    w_gate / w_up [E, D, F]; w_down [E, F, D] -> [N, D]."""
+    w_gate / w_up [E, D, F]; w_down [E, F, D] -> [N, D].
+
+    expert_offset (expert parallelism, see moe_parallel.py): w_* hold only the
+    model's experts [expert_offset, expert_offset + E); assignments to any
+    other expert contribute 0 here (another device computes them). They are
+    sorted into a trailing group left out of group_sizes: ragged_dot (and the
+    Pallas gmm) give 0 for rows past sum(group_sizes), and their routing
+    weight is zeroed as well. None: w_* hold every expert.
+    """
     n, k = experts.shape
     num_experts = w_gate.shape[0]
     flat_experts = experts.reshape(-1)  # [N*K], row-major over (n, k)
+    if expert_offset is not None:
+        local = flat_experts - expert_offset
+        is_local = (local >= 0) & (local < num_experts)  # [N*K]
+        flat_experts = jnp.where(is_local, local, num_experts)  # others: trailing group E
+        weights = weights * is_local.reshape(n, k).astype(weights.dtype)
     order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
     x_sorted = x[order // k]  # [N*K, D]
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E]
-    gate = jax.lax.ragged_dot(x_sorted, w_gate.astype(x.dtype), group_sizes)  # [N*K, F]
-    up = jax.lax.ragged_dot(x_sorted, w_up.astype(x.dtype), group_sizes)
-    y_sorted = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), group_sizes)  # [N*K, D]
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E] (group E not counted)
+    gate = grouped_matmul(x_sorted, w_gate.astype(x.dtype), group_sizes)  # [N*K, F]
+    up = grouped_matmul(x_sorted, w_up.astype(x.dtype), group_sizes)
+    y_sorted = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), group_sizes)  # [N*K, D]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)  # back to (n, k) order
     return jnp.einsum("nkd,nk->nd", y, weights)
 
 
-def experts_dense(x, weights, experts, w_gate, w_up, w_down) -> jnp.ndarray:
-    """Reference: all experts on all tokens, combined with a [N, E] weight matrix."""
-    n = x.shape[0]
-    combine = jnp.zeros((n, w_gate.shape[0]), x.dtype).at[jnp.arange(n)[:, None], experts].add(weights)
+def experts_dense(x, weights, experts, w_gate, w_up, w_down, *, expert_offset=None) -> jnp.ndarray:
+    """Reference: all experts on all tokens, combined with a [N, E] weight matrix.
+    expert_offset: as in `experts_ragged` (w_* hold experts [offset, offset + E) only)."""
+    local = experts if expert_offset is None else experts - expert_offset
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(local, w_gate.shape[0], dtype=x.dtype), weights)  # [N, E]
     gate = jnp.einsum("nd,edf->nef", x, w_gate.astype(x.dtype))
     up = jnp.einsum("nd,edf->nef", x, w_up.astype(x.dtype))
     y = jnp.einsum("nef,efd->ned", jax.nn.silu(gate) * up, w_down.astype(x.dtype))
@@ -70,6 +90,21 @@ def _experts_pallas(*args):  # resolved lazily so the kernels package stays opti
 
 
 EXPERT_FNS = {"ragged": experts_ragged, "dense": experts_dense, "pallas": _experts_pallas}
+
+
+def local_experts_fn(moe_impl: str):
+    """The experts function for one device's slice of the experts (takes `expert_offset`)."""
+    if moe_impl == "dense":
+        return experts_dense
+    if moe_impl == "pallas":
+        try:
+            from ulorl_jax.kernels import gmm
+        except ImportError:
+            warn_once(log, "moe-pallas-ep", "moe_impl=pallas: no Pallas grouped matmul available yet; expert-"
+                      "parallel experts use ragged_dot")
+            return experts_ragged
+        return functools.partial(experts_ragged, grouped_matmul=gmm)
+    return experts_ragged
 
 
 def load_balancing_loss(router_logits: list[jnp.ndarray], num_experts: int, top_k: int,
@@ -113,5 +148,10 @@ class SparseMoeBlock(nnx.Module):
         flat = x.reshape(b * t, d)
         cfg = self.config
         router_logits, weights, experts = route(flat, self.router[...], cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        y = EXPERT_FNS[cfg.moe_impl](flat, weights, experts, self.gate[...], self.up[...], self.down[...])
+        args = (flat, weights, experts, self.gate[...], self.up[...], self.down[...])
+        mesh = expert_parallel_mesh()  # set by the learner / `ulorl plan` (sharding.mesh_context)
+        if mesh is None:
+            y = EXPERT_FNS[cfg.moe_impl](*args)
+        else:
+            y = experts_parallel(*args, mesh=mesh, local_fn=local_experts_fn(cfg.moe_impl))
         return y.reshape(b, t, d), router_logits

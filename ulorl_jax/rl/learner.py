@@ -45,7 +45,7 @@ from ulorl_jax.models.moe import load_balancing_loss
 from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.rl.losses import ENTROPY_MODES, IS_MODES, LOSS_AGG_MODES, MASK_MODES, weighted_policy_loss
 from ulorl_jax.rl.packing import PackedBatch, TrainSample, loss_weights, pack_samples, validate_samples
-from ulorl_jax.sharding import BATCH_AXES, MeshConfig, MeshError, make_mesh, param_shardings
+from ulorl_jax.sharding import BATCH_AXES, MeshConfig, MeshError, make_mesh, mesh_context, param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -367,13 +367,15 @@ class Learner:
                     **{k: self._replicated for k in ("sample_lengths", "batch_entropy", "old_from_current",
                                                      "aux_scale")}}
         self._batch_sh = batch_sh
-        jit_step = lambda fn: jax.jit(fn, in_shardings=(self._param_sh, self._opt_sh, batch_sh),  # noqa: E731
+        # Steps are traced under the mesh context: the MoE experts run expert-parallel on it (models/moe_parallel.py).
+        jit_step = lambda fn: jax.jit(mesh_context(fn, self.mesh),  # noqa: E731
+                                      in_shardings=(self._param_sh, self._opt_sh, batch_sh),
                                       out_shardings=(self._param_sh, self._opt_sh, self._replicated),
                                       donate_argnums=(0, 1))
         self._train_step = jit_step(build_train_step(self.graphdef, self._other, self.tx, config, "policy"))
         self._sft_step = jit_step(build_train_step(self.graphdef, self._other, self.tx, config, "sft"))
         self._grad_fn = None
-        self._score = jax.jit(build_score_fn(self.graphdef, self._other, config),
+        self._score = jax.jit(mesh_context(build_score_fn(self.graphdef, self._other, config), self.mesh),
                               in_shardings=(self._param_sh, {k: self._micro_sh for k in
                                                              ("tokens", "targets", "positions", "segment_ids")}),
                               out_shardings=self._micro_sh)
@@ -512,7 +514,8 @@ class Learner:
         _, batch = self.pack(samples)
         batch["old_from_current"] = np.asarray(self.config.is_mode == "pois")
         if self._grad_fn is None:
-            self._grad_fn = jax.jit(build_grad_fn(self.graphdef, self._other, self.config, objective),
+            self._grad_fn = jax.jit(mesh_context(build_grad_fn(self.graphdef, self._other, self.config, objective),
+                                                 self.mesh),
                                     in_shardings=(self._param_sh, self._batch_sh),
                                     out_shardings=(self._replicated, self._param_sh, self._replicated))
         loss, grads, _ = self._grad_fn(self.params, self._put(batch))
