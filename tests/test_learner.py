@@ -172,6 +172,24 @@ def test_sft_update_lowers_nll(dense_learner):
 
 
 @pytest.mark.slow
+def test_mean_entropy_equals_numpy_softmax_entropy(dense_learner):
+    """Learner.mean_entropy == mean over response tokens of -sum p log p from the model's own logits."""
+    from flax import nnx
+
+    samples = _samples(7, 5, logprobs=False)
+    model = nnx.merge(dense_learner.graphdef, dense_learner.params, dense_learner._other)
+    total, count = 0.0, 0
+    for s in samples:
+        tokens = np.asarray([s.prompt_ids + s.response_ids])
+        logits = np.asarray(model(jnp.asarray(tokens)), np.float64)[0]  # [T, V]
+        logits -= logits.max(-1, keepdims=True)
+        p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+        h = -(p * np.log(p)).sum(-1)  # entropy of the distribution that predicts token t + 1
+        total += h[len(s.prompt_ids) - 1:tokens.shape[1] - 1].sum()
+        count += len(s.response_ids)
+    assert dense_learner.mean_entropy(samples) == pytest.approx(total / count, rel=1e-4)
+
+
 def test_several_mini_batches_and_epochs():
     """POIS recomputes π_old once: the first update still has ratio 1; later ones move away from it."""
     learner = Learner(init_model(tiny_config("qwen3", **DENSE), seed=0),

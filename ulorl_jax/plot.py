@@ -40,6 +40,24 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+SMOOTH = 10  # steps in the trailing mean drawn over noisy per-step curves
+
+
+def _trailing_mean(values: Sequence[float], window: int = SMOOTH) -> list[float]:
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _plot_smoothed(ax, steps, values, label: str, color=None) -> None:
+    """Raw per-step values faintly, their trailing mean on top (one legend entry)."""
+    line, = ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+    ax.plot(steps, _trailing_mean(values), color=line.get_color(), label=f"{label} ({SMOOTH}-step mean)")
+
+
 def run_sigma(run_dir: str | os.PathLike) -> float | None:
     """algorithm.sigma from RUN_DIR/config.yaml (the trainer saves the resolved config there), if present."""
     path = Path(run_dir) / "config.yaml"
@@ -83,7 +101,10 @@ def _plot_entropy(records, out: Path, sigma: float | None):
         return "entropy.png skipped: no entropy in metrics"
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, entropy, label="entropy (mean per sample)", color="tab:purple")
+    _plot_smoothed(ax, steps, entropy, "entropy of trained samples", color="tab:purple")
+    esteps, eentropy = _series(records, "eval_entropy")
+    if esteps:
+        ax.plot(esteps, eentropy, "o-", color="tab:green", label="entropy on held-out samples")
     if sigma is not None:
         ax.axhline(sigma, color="tab:red", linestyle="--", label=f"σ = {sigma:g} (DMMPT target)")
     ax.set(xlabel="RL step", ylabel="entropy (nats)", title="Policy entropy")
@@ -169,7 +190,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], labels: Sequence[str] | 
     for run_dir, label in zip(run_dirs, labels):
         steps, values = _series(read_metrics(run_dir), metric)
         if steps:
-            ax.plot(steps, values, label=label)
+            _plot_smoothed(ax, steps, values, label)
             plotted += 1
         if sigma is None and metric == "entropy":
             sigma = run_sigma(run_dir)

@@ -456,10 +456,7 @@ class Learner:
         device_batches = []
         for _, batch in minis:
             if prescore:
-                logp, entropy = self._score(self.params, self._put({k: batch[k] for k in
-                                                                    ("tokens", "targets", "positions",
-                                                                     "segment_ids")}))
-                logp, entropy = np.asarray(logp), np.asarray(entropy)
+                logp, entropy = self._score_batch(batch)
                 m = batch["response_mask"]
                 if cfg.is_mode == "pois":
                     batch["old_logprobs"] = logp
@@ -479,6 +476,24 @@ class Learner:
             for k, v in pre.items():
                 per_update[0][k] = v
         return self._summarise(per_update, minis, num_updates, policy=True)
+
+    def _score_batch(self, batch: dict) -> tuple[np.ndarray, np.ndarray]:
+        """Forward only at the current params: (log p(target), entropy), both [M, r, L] numpy."""
+        logp, entropy = self._score(self.params, self._put({k: batch[k] for k in
+                                                            ("tokens", "targets", "positions", "segment_ids")}))
+        return np.asarray(logp), np.asarray(entropy)
+
+    def mean_entropy(self, samples: Sequence[TrainSample]) -> float:
+        """Mean per-token entropy (nats, full vocabulary, temperature 1) of the current policy over the
+        samples' response tokens: the quantity DMMPT compares with sigma, on any set of responses."""
+        validate_samples(samples, self.config.row_len)
+        total, tokens = 0.0, 0.0
+        for mb in self._minibatches(samples):
+            _, batch = self.pack(mb)
+            _, entropy = self._score_batch(batch)
+            total += float((entropy * batch["response_mask"]).sum())
+            tokens += float(batch["response_mask"].sum())
+        return total / max(tokens, 1.0)
 
     def sft_update(self, samples: Sequence[TrainSample]) -> dict[str, float]:
         """Supervised updates (token-mean NLL of the response tokens) through the same machinery.
