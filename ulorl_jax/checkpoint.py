@@ -12,6 +12,13 @@ their paths in `meta`, so any pytree (nnx.State, optax namedtuples, plain dicts)
 round-trips and is restored into the *target's* structure, dtypes and
 shardings. A target whose paths or shapes differ from the saved ones is an
 error naming the first differing leaf.
+
+Several processes (`jax.distributed`): every process calls `save` and `restore`
+(orbax's are collectives; process 0 writes the JSON and host numpy arrays,
+each process its shards of the global arrays), so the run folder must be on a
+filesystem every process sees. `meta` must be the same on every process: host
+state that differs per process is gathered first and saved as a list indexed
+by process (the trainer does this for the unfinished pools).
 """
 
 from __future__ import annotations
@@ -63,11 +70,16 @@ def _describe(leaves: dict[str, Any], names: list[str]) -> list[dict]:
 
 
 def _abstract(leaf) -> jax.ShapeDtypeStruct:
-    """Restore target for one leaf: its shape and dtype, its sharding (default: device 0)."""
+    """Restore target for one leaf: its shape and dtype, its sharding (default: this process's first device)."""
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, jax.sharding.Sharding):
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = _local_device()
     return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+
+def _local_device() -> jax.sharding.SingleDeviceSharding:
+    """This process's first device (`jax.devices()[0]` belongs to process 0 when there are several)."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
 def _rng_parts(rng) -> tuple[np.ndarray | jax.Array, dict]:
@@ -177,7 +189,7 @@ class TrainCheckpointer:
         record = self.read_meta(step)
         rng_saved = record["trees"]["rng"][0]
         rng_target = jax.ShapeDtypeStruct(tuple(rng_saved["shape"]), np.dtype(rng_saved["dtype"]),
-                                          sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                                          sharding=_local_device())
         out = self._restore_items(step, {"params": params_target, "opt_state": opt_state_target,
                                          "rng": {"key": rng_target}}, record)
         key_data = out["rng"]["key"]

@@ -11,6 +11,7 @@ a pod run takes, at a size that fits a laptop-class CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -57,11 +58,15 @@ def _train(args) -> int:
     try:
         if cfg.trainer.sft_steps and not args.resume:
             _warm_start(trainer, cfg)
-        with ProgressDisplay(cfg.trainer.total_steps, start_step=trainer.step) as progress:
+        # With several processes, process 0 alone shows the progress.
+        display = ProgressDisplay(cfg.trainer.total_steps, start_step=trainer.step) if trainer.is_primary else \
+            contextlib.nullcontext()
+        with display as progress:
             trainer.fit(progress)
     finally:
         trainer.close()
-    print(f"ulorl train: {trainer.step} steps done; run folder {args.run_dir}")
+    if trainer.is_primary:
+        print(f"ulorl train: {trainer.step} steps done; run folder {args.run_dir}")
     return 0
 
 
@@ -70,13 +75,14 @@ def _warm_start(trainer, cfg) -> list[dict]:
 
     t = cfg.trainer
     batch = t.sft_batch_size or t.train_batch_size * cfg.rollout.n
-    with Progress(transient=True, disable=not sys.stdout.isatty()) as bar:
+    with Progress(transient=True, disable=not (sys.stdout.isatty() and trainer.is_primary)) as bar:
         task = bar.add_task("supervised warm start", total=t.sft_steps)
         history = trainer.warm_start(t.sft_steps, batch, t.sft_lr,
                                      progress=lambda i, m: bar.update(task, completed=i))
     last = history[-1] if history else {}
-    print(f"warm start: {t.sft_steps} supervised steps on noisy traces (batch {batch}, lr {t.sft_lr:g}), "
-          f"final loss {last.get('loss', float('nan')):.3f}")
+    if trainer.is_primary:
+        print(f"warm start: {t.sft_steps} supervised steps on noisy traces (batch {batch}, lr {t.sft_lr:g}), "
+              f"final loss {last.get('loss', float('nan')):.3f}")
     return history
 
 

@@ -12,6 +12,15 @@ Each RL step:
      trip, no recompile: params are an argument of every jitted engine call);
   6. log, evaluate every `eval_every` steps, checkpoint every `save_every`.
 
+With several processes (`jax.distributed`, `jax.process_count() > 1`) every
+process runs this same loop: the rollout is a `DistributedRollout` (each
+process decodes its contiguous share of the step's prompts with a local copy
+of the params, scores it, and the ended samples are gathered), so the
+experience pool, the groups and the learner's batch are the same everywhere
+and the learner step runs over the global mesh. Process 0 alone writes
+config.yaml, metrics and TensorBoard; every process takes part in the
+checkpoint save (a collective), which stores each process's unfinished pool.
+
 Everything the next step depends on — params, optimizer state, step, policy
 version, data position, both pools and the groups waiting for an update — is
 in the checkpoint, and the step's randomness is `fold_in(seed, step)`, so a
@@ -36,6 +45,7 @@ from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.jetstream_backend import make_segment_rollout
 from ulorl_jax.decode.sampling import SamplingParams
 from ulorl_jax.decode.segment import RolloutConfig, Sample, SegmentRollout
+from ulorl_jax.distributed import DistributedRollout, local_replica
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
 from ulorl_jax.rl.advantages import dynamic_sampling_report, grpo_advantages
@@ -180,8 +190,11 @@ def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
 
 
 def evaluate(engine: PolicyEngine, params, prompts, scorer: RewardScorer, *, k: int, max_new_tokens: int,
-             max_prompt_len: int, sampling: SamplingParams, tokenizer, seed: int) -> dict[str, float]:
-    """avg@k accuracy on `prompts` (PromptItems with metadata["answer"]), mean length, truncation rate."""
+             max_prompt_len: int, sampling: SamplingParams, tokenizer, seed: int,
+             entropy_fn: Callable[[list[TrainSample]], float] | None = None) -> dict[str, float]:
+    """avg@k accuracy on `prompts` (PromptItems with metadata["answer"]), mean length, truncation rate;
+    with `entropy_fn` (e.g. `Learner.mean_entropy`) also the policy's mean token entropy on its own
+    held-out samples ("eval_entropy": fixed prompts, so it tracks the policy rather than the batch mix)."""
     rollout = SegmentRollout(engine, RolloutConfig(global_max_len=max_new_tokens, num_segments=1,
                                                    samples_per_prompt=k, max_prompt_len=max_prompt_len,
                                                    eos_token_ids=engine.eos_token_ids, sampling=sampling))
@@ -189,7 +202,11 @@ def evaluate(engine: PolicyEngine, params, prompts, scorer: RewardScorer, *, k: 
     ended = report.ended
     rewards = score_samples(ended, scorer, tokenizer)
     lengths = [len(s.response_ids) for s in ended]
-    return {"eval_accuracy": float(np.mean(rewards)) if rewards else 0.0,
+    extra = {}
+    if entropy_fn is not None and ended:
+        extra["eval_entropy"] = entropy_fn([TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                                                        advantage=0.0, reward=0.0) for s in ended])
+    return extra | {"eval_accuracy": float(np.mean(rewards)) if rewards else 0.0,
             "eval_length_mean": float(np.mean(lengths)) if lengths else 0.0,
             "eval_truncated_fraction": float(np.mean([s.finish_reason == "length" for s in ended])) if ended else 0.0,
             "eval_samples": len(ended)}
@@ -212,6 +229,16 @@ def score_samples(samples: list[Sample], scorer: RewardScorer, tokenizer) -> lis
 # ---------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------
+
+
+class _NoMetrics:
+    """The metrics writer of processes other than 0 (process 0 writes the run's files)."""
+
+    def write(self, step: int, metrics: dict) -> dict:
+        return metrics
+
+    def close(self) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -252,6 +279,10 @@ class Trainer:
                                    tokenizer=self.tokenizer)
         self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
                                             length_oracle=length_oracle)
+        self.process_count = jax.process_count()
+        self.is_primary = jax.process_index() == 0
+        if self.process_count > 1:  # each process decodes its share of the prompts; ended samples are gathered
+            self.rollout = DistributedRollout(self.rollout)
         self.scorer = RewardScorer(RewardConfig(kind=cfg.reward.kind, answer_pattern=cfg.reward.answer_pattern,
                                                 timeout_s=cfg.reward.timeout_s, custom_fn=cfg.reward.custom_fn))
         self._build_data()
@@ -273,10 +304,15 @@ class Trainer:
         if resume:
             check_resume_config(self.run_dir / "config.yaml", cfg)
             self._restore()
-        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                                    wandb_project=cfg.logging.wandb_project,
-                                    resume_step=self.step + 1)  # drops lines no checkpoint covers
+        self.writer = _NoMetrics()
+        if self.is_primary:
+            # Atomic: the other processes of a resumed run may be reading it (check_resume_config).
+            tmp = self.run_dir / "config.yaml.tmp"
+            tmp.write_text(config_to_yaml(cfg))
+            tmp.replace(self.run_dir / "config.yaml")
+            self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                        wandb_project=cfg.logging.wandb_project,
+                                        resume_step=self.step + 1)  # drops lines no checkpoint covers
 
     # -- data --------------------------------------------------------------------------
 
@@ -348,14 +384,32 @@ class Trainer:
 
     # -- one RL step -------------------------------------------------------------------
 
+    def decode_params(self):
+        """The params the engine decodes with: the learner's own arrays (one process; no copy), or,
+        with several processes, a whole copy on this process's first device (the engine is local)."""
+        if self.process_count == 1:
+            return self.learner.params
+        return local_replica(self.learner.params, self.mesh)
+
+    def _score(self, samples: list[Sample], times: StepTimes) -> list[float]:
+        t0 = time.perf_counter()
+        rewards = score_samples(samples, self.scorer, self.tokenizer)
+        times.reward += time.perf_counter() - t0
+        return rewards
+
     def _rollout_round(self, key, times: StepTimes, acc: dict) -> None:
         prompts = self.prompts.take(self.cfg.trainer.train_batch_size)
         t0 = time.perf_counter()
-        report = self.rollout.step(self.learner.params, prompts, self.policy_version, key)
-        t1 = time.perf_counter()
-        rewards = score_samples(report.ended, self.scorer, self.tokenizer)
-        times.rollout += t1 - t0
-        times.reward += time.perf_counter() - t1
+        if self.process_count == 1:
+            report = self.rollout.step(self.learner.params, prompts, self.policy_version, key)
+            times.rollout += time.perf_counter() - t0
+            rewards = self._score(report.ended, times)
+        else:  # each process scores its own share before the gather: one reward per sample, the same everywhere
+            reward_s = times.reward
+            report = self.rollout.step(self.decode_params(), prompts, self.policy_version, key,
+                                       score=lambda ended: self._score(ended, times))
+            times.rollout += time.perf_counter() - t0 - (times.reward - reward_s)
+            rewards = [s.metadata["reward"] for s in report.ended]
         acc["reports"].append(report)
         acc["ended"] += report.ended
         acc["rewards"] += rewards
@@ -472,7 +526,7 @@ class Trainer:
             "response_lengths": lengths,
             "truncated_fraction": float(np.mean([s.finish_reason == "length" for s in ended])) if ended else None,
             "segments_mean": float(np.mean([s.segments for s in ended])) if ended else None,
-            "pool_unfinished": len(self.rollout.unfinished_pool),
+            "pool_unfinished": reports[-1].unfinished_pool_size,  # over every process
             "pool_experience": len(self.rollout.experience_pool),
             "groups_complete": acc["groups"],
             "groups_dropped_all_correct": acc["dropped_all_correct"],
@@ -490,10 +544,13 @@ class Trainer:
         if not self.eval_set:
             return {}
         cfg = self.cfg
-        return evaluate(self.engine, self.learner.params, self.eval_set, self.scorer, k=k or cfg.eval.k,
-                        max_new_tokens=cfg.eval.max_new_tokens or cfg.rollout.global_max_len,
+        max_new = cfg.eval.max_new_tokens or cfg.rollout.global_max_len
+        scorable = self.max_prompt_len + max_new <= self.learner.config.row_len  # eval samples fit a learner row
+        return evaluate(self.engine, self.decode_params(), self.eval_set, self.scorer, k=k or cfg.eval.k,
+                        max_new_tokens=max_new,
                         max_prompt_len=self.max_prompt_len, sampling=eval_sampling_params(cfg),
-                        tokenizer=self.tokenizer, seed=cfg.trainer.seed + 1 if seed is None else seed)
+                        tokenizer=self.tokenizer, seed=cfg.trainer.seed + 1 if seed is None else seed,
+                        entropy_fn=self.learner.mean_entropy if scorable else None)
 
     def fit(self, progress=None) -> None:
         """Train until trainer.total_steps (checkpoints as configured, and a final one)."""
@@ -511,7 +568,8 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------
 
     def state_meta(self) -> dict:
-        return {"step": self.step, "policy_version": self.policy_version,
+        """JSON run state; with several processes a collective (the rollout gathers every unfinished pool)."""
+        return {"step": self.step, "process_count": self.process_count, "policy_version": self.policy_version,
                 "learner_step": self.learner.step, "consecutive_skips": self.consecutive_skips,
                 "consecutive_nonfinite": self.consecutive_nonfinite,
                 "nonfinite_updates_total": self.nonfinite_updates_total,
@@ -547,6 +605,13 @@ class Trainer:
             raise ValueError(f"--resume: no checkpoint in {self.checkpointer.directory}")
         params, opt_state, rng, meta = self.checkpointer.restore(params_target=self.learner.params,
                                                                  opt_state_target=self.learner.opt_state)
+        saved = int(meta.get("process_count", 1))  # absent in older (one-process) checkpoints
+        if saved != self.process_count:
+            raise CheckpointError(f"--resume: the checkpoint of step {meta['step']} in {self.checkpointer.directory} "
+                                  f"was written by {saved} process(es) but this run has {self.process_count}; each "
+                                  f"process's unfinished pool resumes on its own process index, so resume with "
+                                  f"--num-processes {saved}" + (" (or without the multi-process flags)" if saved == 1
+                                                                else ""))
         self.learner.load_state_dict({"params": params, "opt_state": opt_state, "step": meta["learner_step"]})
         self.base_key = rng
         self.step = int(meta["step"])
