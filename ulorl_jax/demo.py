@@ -83,6 +83,7 @@ def _summary(cfg, records, before, after, sft_s, rl_s, wall_s, task_lengths) -> 
         "mask_mode": cfg.algorithm.mask_mode, "is_mode": cfg.algorithm.is_mode, "sigma": cfg.algorithm.sigma,
         "entropy_first": next((r["entropy"] for r in records if "entropy" in r), None),
         "entropy_last_quarter": _tail_mean(records, "entropy"),
+        "eval_entropy_before": before.get("eval_entropy"), "eval_entropy_after": after.get("eval_entropy"),
         "masked_fraction_last_quarter": _tail_mean(records, "masked_fraction"),
         "reward_first_quarter": float(np.mean([r["reward_mean"] for r in records[:max(1, len(records) // 4)]
                                                if r.get("reward_mean") is not None] or [np.nan])),
@@ -114,6 +115,8 @@ def _print_summary(s: dict, run_dir: Path, plots) -> None:
     print(f"entropy (mean per-token, {s['mask_mode']}): {_fmt(s['entropy_first'])} at the first update, "
           f"{_fmt(s['entropy_last_quarter'])} over the last quarter; sigma = {s['sigma']}; masked fraction "
           f"{_fmt(s['masked_fraction_last_quarter'], '.4f')}")
+    print(f"entropy on held-out samples: {_fmt(s['eval_entropy_before'])} after warm start -> "
+          f"{_fmt(s['eval_entropy_after'])} after RL")
     print(f"segments: {s['segments']} x {s['segment_len']} tokens; samples took {_fmt(s['segments_mean'], '.2f')} "
           f"segments on average; unfinished pool {_fmt(s['unfinished_pool_mean'], '.1f')} samples on average; "
           f"truncated {_fmt(s['truncated_fraction'])}; response length p50 {_fmt(s['response_length_p50'], '.0f')}, "
