@@ -19,6 +19,11 @@ is no decode kernel yet and it falls back to "xla" with a logged reason.
 ``grouped_matmul`` on CPU / GPU and megablox ``gmm`` on TPU; "ragged" is
 ``jax.lax.ragged_dot`` (the reference).
 
+Under a device mesh (jax's mesh context, as ``sharding.mesh_context`` sets
+it) the "pallas" kernels run inside ``jax.shard_map``, one call per (batch,
+head) shard (``sharded.py``): GSPMD cannot partition a ``pallas_call`` and
+would otherwise replicate it. "cudnn" and "xla" are partitioned by XLA.
+
 The platform comes from ``platform.backend()``, which tests replace to check
 the TPU routing on CPU.
 """
@@ -30,7 +35,9 @@ import logging
 import jax
 import jax.numpy as jnp
 
-from . import platform, tpu
+from ulorl_jax.sharding import context_mesh
+
+from . import platform, sharded, tpu
 from .decode_attention import decode_attention
 from .flash_attention import SUPPORTED_DTYPES, flash_attention
 from .grouped_matmul import grouped_matmul
@@ -140,17 +147,19 @@ def attention(
 
     if platform.backend() == "tpu":
         reason = tpu.splash_problem(q, k, v, causal, segment_ids)
-        if reason is None:
-            return tpu.splash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                        sm_scale=sm_scale, interpret=platform.interpret_default())
-        _fallback(impl, reason)
-        return xla()
-    reason = _pallas_problem(q, k, v, causal, segment_ids)
+        kernel = lambda q, k, v, seg: tpu.splash_attention(  # noqa: E731
+            q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale, interpret=platform.interpret_default())
+    else:
+        reason = _pallas_problem(q, k, v, causal, segment_ids)
+        kernel = lambda q, k, v, seg: flash_attention(  # noqa: E731
+            q, k, v, causal=causal, segment_ids=seg, sm_scale=sm_scale)
     if reason is not None:
         _fallback(impl, reason)
         return xla()
-    return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                           sm_scale=sm_scale)
+    mesh = context_mesh()  # a pallas_call is opaque to GSPMD: split it by hand
+    if mesh is None:
+        return kernel(q, k, v, segment_ids)
+    return sharded.shard_attention(kernel, q, k, v, segment_ids, mesh=mesh)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, impl: str = "pallas") -> jax.Array:

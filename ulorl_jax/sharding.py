@@ -167,6 +167,24 @@ def mesh_context(fn, mesh: Mesh):
     return traced_under_mesh
 
 
+def context_mesh() -> jax.sharding.AbstractMesh | None:
+    """Jax's mesh context (as `mesh_context` sets it) when it has the MESH_AXES and more than one
+    device, else None: model code that lays out work by hand (sharded Pallas attention) reads it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) or mesh.size == 1:
+        return None
+    return mesh
+
+
+def constrain(x, axes: tuple):
+    """`x` laid out by logical `axes` (one name or None per dim, mapped as parameters are) when traced
+    under `context_mesh()`; otherwise `x` unchanged."""
+    mesh = context_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes)))
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch dimension over (data, fsdp, expert); the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

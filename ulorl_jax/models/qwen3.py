@@ -27,6 +27,7 @@ from ulorl_jax.models.attention import AttentionMask, get_attention_impl
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
 from ulorl_jax.models.moe import SparseMoeBlock, load_balancing_loss
 from ulorl_jax.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from ulorl_jax.sharding import constrain
 
 
 class KVCache(NamedTuple):
@@ -170,7 +171,12 @@ class Qwen3ForCausalLM(nnx.Module):
 
     def _embed(self, tokens):
         dt = resolve_dtype(self.config.dtype)
-        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dt)
+        # Under a mesh the table's embed dim is gathered first (ZeRO-3), so the lookup follows the tokens'
+        # batch sharding. An fsdp-sharded embed dim would otherwise either shard the activations on D with
+        # the whole batch on every device, or make the gradient's scatter-add replicate d(x) [B, T, D]
+        # ("Involuntary full rematerialization" from the SPMD partitioner).
+        table = constrain(self.embed_tokens[...], ("vocab", None))  # [V, D]
+        return jnp.take(table, tokens, axis=0).astype(dt)
 
     def _rope(self, positions, dtype):
         return rope_cos_sin(positions, self._inv_freq, self._rope_factor, dtype)

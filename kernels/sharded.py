@@ -1,0 +1,90 @@
+"""Pallas attention under a device mesh: one kernel call per (batch, head) shard.
+
+A ``pallas_call`` is a custom call GSPMD cannot partition, so under ``jax.jit``
+on a mesh it is replicated: every device gathers q / k / v / o (and the
+backward's dq / dk / dv) for the whole micro-batch and all heads. Here the
+kernel runs inside ``jax.shard_map`` over jax's mesh context
+(``sharding.context_mesh()``, set by ``sharding.mesh_context``: the learner and
+``ulorl plan`` trace under it), with the activation layout the model's
+parameters imply (``sharding.DEFAULT_PARAM_RULES``):
+
+  q [B, T, Hq, D], k / v [B, T, Hkv, D]: batch -> BATCH_AXES (data, fsdp,
+  expert), heads -> the ``q_heads`` / ``kv_heads`` rule (``tensor``),
+  sequence and head_dim unsplit; segment_ids [B, T] follow the batch.
+
+Attention is independent per (row, head), so each device just runs the kernel
+on its block: no collectives. Head shards keep GQA groups whole: device t
+holds q heads [t Hq/tp, (t+1) Hq/tp) and kv heads [t Hkv/tp, (t+1) Hkv/tp),
+and q head h reads kv head h // (Hq / Hkv) in both numberings. The kernels'
+custom VJPs run per shard too (shard_map is differentiable).
+
+cuDNN attention (``jax.nn.dot_product_attention(implementation="cudnn")``)
+needs none of this: JAX registers it with ``custom_partitioning`` rules that
+split batch and heads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MeshError, _axis_size
+
+__all__ = ["batch_axes_for", "shard_attention"]
+
+logger = logging.getLogger(__name__)
+
+# kernel(q, k, v, segment_ids) -> o, all in the shapes above (segment_ids may be None).
+Kernel = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
+
+
+def batch_axes_for(batch: int, mesh) -> tuple[str, ...]:
+    """The BATCH_AXES, in order, that split `batch` rows evenly: all of them when the
+    batch divides over the data shards (the learner's micro-batches always do); otherwise
+    the rows are split over the axes that still divide and replicated over the rest."""
+    axes: tuple[str, ...] = ()
+    for axis in BATCH_AXES:
+        if batch % _axis_size(mesh, axes + (axis,)) == 0:
+            axes += (axis,)
+    return axes
+
+
+def _head_axes(q_heads: int, kv_heads: int, mesh):
+    """Partition-spec entry of the head dim (the q_heads rule), after checking both head counts divide."""
+    axes = DEFAULT_PARAM_RULES["q_heads"]
+    if axes != DEFAULT_PARAM_RULES["kv_heads"]:
+        raise MeshError(f"sharded attention needs q and kv heads on the same mesh axes; rules give "
+                        f"q_heads -> {axes!r}, kv_heads -> {DEFAULT_PARAM_RULES['kv_heads']!r}")
+    size = _axis_size(mesh, axes)
+    if q_heads % size or kv_heads % size:
+        raise MeshError(f"attention with {q_heads} query heads and {kv_heads} kv heads does not split over "
+                        f"mesh axes {axes!r} of size {size}: both head counts must be multiples of {size}")
+    return axes
+
+
+def shard_attention(kernel: Kernel, q: jax.Array, k: jax.Array, v: jax.Array,
+                    segment_ids: jax.Array | None, *, mesh) -> jax.Array:
+    """`kernel` on `mesh`, one call per (batch, head) block.
+
+    q [B, T, Hq, D]; k, v [B, T, Hkv, D]; segment_ids [B, T] or None
+    -> [B, T, Hq, D], equal to kernel(q, k, v, segment_ids) on one device.
+    Raises MeshError when Hq or Hkv does not divide over the head axes.
+    """
+    batch_axes = batch_axes_for(q.shape[0], mesh)
+    if _axis_size(mesh, batch_axes) < _axis_size(mesh, BATCH_AXES):
+        logger.warning("sharded attention: batch %d does not divide over %s %s; rows split over %s only",
+                       q.shape[0], BATCH_AXES, tuple(mesh.shape[a] for a in BATCH_AXES), batch_axes)
+    heads = _head_axes(q.shape[2], k.shape[2], mesh)
+    rows = batch_axes or None
+    qkv = P(rows, None, heads, None)
+    if segment_ids is None:
+        body, args, in_specs = (lambda q, k, v: kernel(q, k, v, None)), (q, k, v), (qkv, qkv, qkv)
+    else:
+        body, args, in_specs = kernel, (q, k, v, segment_ids), (qkv, qkv, qkv, P(rows, None))
+    # check_vma=False: a pallas_call's out_shape carries no varying-axes type (Pallas refuses the
+    # check without one). Nothing here needs it: the output of every shard is its own block, and a
+    # copy over axes the rows could not split over (replicated inputs) is the same on each device.
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)(*args)
