@@ -176,6 +176,9 @@ class TrainerOptions:
     micro_batch_rows: int = 1  # packed rows per gradient-accumulation micro-batch
     row_len: int | None = None  # tokens per packed row; null = max_prompt_len + global_max_len
     remat: bool = True  # recompute each layer in the backward pass
+    # decoder layers as one lax.scan over their stacked weights: compile time independent of depth and
+    # one layer's activations live in the backward pass; costs a compute-dtype copy of the layer weights
+    scan_layers: bool = False
     logprob_chunk: int = 1024  # positions per chunk of the vocab projection
     total_steps: int = 100
     eval_every: int = 0  # RL steps between held-out evals; 0 = never

@@ -13,13 +13,15 @@ set before jax starts); the learner's real jitted train step
 per device = arguments + temporaries + outputs not aliased to (donated)
 arguments, from `compiled.memory_analysis()`.
 
-Layers: the model unrolls its decoder layers (the HF / orbax parameter layout
-is a stable contract), so a 48-layer program is slow to compile on a CPU. The
-plan compiles the model with `--layers A,B` decoder layers (default 1,2) and
-extrapolates every figure linearly to the config's layer count: per-layer
-parameters, optimizer state, saved remat inputs and KV cache are exactly
-linear in the layer count; the transient working set of one layer is counted
-once. `--layers full` compiles all of them.
+Layers: with `trainer.scan_layers` (the shipped full-size configs) the train
+step runs its decoder layers as one `lax.scan` (models/layer_scan.py), so it
+compiles in full at any depth (`--layers auto`, the default). Unrolled
+programs (the decode step; train steps without scan) are compiled with
+`--layers A,B` decoder layers (default 1,2) and every figure is extrapolated
+linearly to the config's layer count: per-layer parameters, optimizer state,
+saved remat inputs and KV cache are exactly linear in the layer count; the
+transient working set of one layer is counted once. `--layers full` compiles
+all of them.
 
 Caveats, printed with the figures: this is XLA's *CPU* compiler's buffer
 assignment (GPU fusion and layouts differ; a GPU run's `memory_analysis`
@@ -50,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, required=True, help="accelerators to plan for (mesh size)")
     parser.add_argument("--device-memory-gb", type=float, default=141.0,
                         help="memory per device in GB (default 141: an H200)")
-    parser.add_argument("--layers", default="1,2",
-                        help="decoder layers to compile, two counts to extrapolate from (default 1,2), or 'full'")
+    parser.add_argument("--layers", default="auto",
+                        help="decoder layers to compile: two counts to extrapolate from (e.g. 1,2), 'full', or "
+                             "'auto' (default: the train step in full when trainer.scan_layers is on, else 1,2; "
+                             "the decode step 1,2)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="packed row length (default trainer.row_len or max_prompt_len + global_max_len)")
     parser.add_argument("--decode-slots", type=int, default=None,
@@ -236,12 +240,13 @@ def _parse_layers(text: str, full: int) -> tuple[int, ...]:
     return ls
 
 
-def plan(cfg, devices: int, *, layers: str = "1,2", seq_len: int | None = None, decode_slots: int | None = None,
+def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None, decode_slots: int | None = None,
          decode_cache_len: int | None = None, device_memory_gb: float = 141.0, skip_decode: bool = False,
          config_name: str = "", compile: bool = True) -> dict:
     import jax
 
     from ulorl_jax.bench.segment_cost import ModelShape
+    from ulorl_jax.models.layer_scan import unscannable
     from ulorl_jax.rl.trainer import learner_config
     from ulorl_jax.sharding import BATCH_AXES, make_mesh
 
@@ -261,22 +266,25 @@ def plan(cfg, devices: int, *, layers: str = "1,2", seq_len: int | None = None, 
     cache_len = decode_cache_len or (cfg.data.max_prompt_len or 0) + cfg.rollout.global_max_len
     slots = decode_slots or shards
     full = mc.num_hidden_layers
-    counts = _parse_layers(layers, full)
+    scanned = lc.scan_layers and unscannable(abstract_model(mc)[3].layers) is None
+    if str(layers).strip() == "auto":
+        train_counts, decode_counts = ((full,) if scanned else (1, 2)), _parse_layers("1,2", full)
+    else:
+        train_counts = decode_counts = _parse_layers(layers, full)
 
-    def both(n_layers):
+    def with_layers(n_layers):
         c = mc.replace(num_hidden_layers=n_layers)
         if c.mlp_only_layers:
             c = c.replace(mlp_only_layers=tuple(i for i in c.mlp_only_layers if i < n_layers))
-        train = compile_train_step(c, lc, mesh, rows, row_len, compile)
-        decode = None if skip_decode else compile_decode_step(c, mesh, slots, cache_len, compile)
-        return train, decode
+        return c
 
-    runs = [both(n) for n in counts]
-    if len(counts) == 1:
-        train, decode = runs[0]
-    else:
-        train = _extrapolate(runs[0][0], runs[1][0], counts[0], counts[1], full)
-        decode = None if skip_decode else _extrapolate(runs[0][1], runs[1][1], counts[0], counts[1], full)
+    def measured(counts, compile_one):
+        runs = [compile_one(with_layers(n)) for n in counts]
+        return runs[0] if len(counts) == 1 else _extrapolate(runs[0], runs[1], counts[0], counts[1], full)
+
+    train = measured(train_counts, lambda c: compile_train_step(c, lc, mesh, rows, row_len, compile))
+    decode = None if skip_decode else measured(
+        decode_counts, lambda c: compile_decode_step(c, mesh, slots, cache_len, compile))
     shape = ModelShape.from_model_config("model", mc)
     total, active = shape.params()
     tokens = rows * row_len
@@ -290,11 +298,13 @@ def plan(cfg, devices: int, *, layers: str = "1,2", seq_len: int | None = None, 
         "model": {"model_type": mc.model_type, "layers": full, "params": total, "active_params": active,
                   "param_dtype": mc.param_dtype, "dtype": mc.dtype, "attention_impl": mc.attention_impl,
                   "config_attention_impl": attention},
-        "compiled_layers": list(counts), "extrapolated": len(counts) > 1,
+        "compiled_layers": list(train_counts), "extrapolated": len(train_counts) > 1, "scan_layers": scanned,
         "train": {**train, "micro_batch_rows": rows, "row_len": row_len, "tokens_per_micro_batch": tokens,
                   "analytic_flops_per_micro_batch": remat * fwd,
                   "analytic_flops_per_micro_batch_per_device": remat * fwd / devices},
     }
+    if decode is not None:
+        result["decode_compiled_layers"] = list(decode_counts)
     if not compile:  # lowered only: the sharded state bytes are the memory figure (a lower bound)
         result["compiled"] = False
         result["train"]["fits"] = train["param_bytes"] + train["optimizer_bytes"] <= capacity
@@ -316,6 +326,13 @@ def plan(cfg, devices: int, *, layers: str = "1,2", seq_len: int | None = None, 
     return result
 
 
+def _layers_line(step: str, counts: list[int], full: int, scanned: bool) -> str:
+    how = "scanned" if scanned else "unrolled"
+    if len(counts) == 1:
+        return f"{step}: all {full} layers compiled ({how})"
+    return f"{step}: {' and '.join(map(str, counts))} layers compiled ({how}), extrapolated linearly to {full}"
+
+
 def format_table(r: dict) -> str:
     m, t = r["model"], r["train"]
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
@@ -325,8 +342,9 @@ def format_table(r: dict) -> str:
         f"{m['attention_impl']} (config: {m['config_attention_impl']})",
         f"{r['devices']} devices, mesh {mesh}; capacity {r['device_memory_gb']:g} GB/device; compiled with XLA "
         f"{r['backend'].upper()} (fake devices) — an estimate of a GPU run",
-        ("compiled " + " and ".join(str(x) for x in r["compiled_layers"]) + " layers; figures extrapolated "
-         "linearly to all layers" if r["extrapolated"] else f"compiled all {m['layers']} layers"),
+        _layers_line("train", r["compiled_layers"], m["layers"], r.get("scan_layers", False)) + (
+            "; " + _layers_line("decode", r["decode_compiled_layers"], m["layers"], False)
+            if "decode_compiled_layers" in r else ""),
         "",
         f"{'step':<8}{'GB/device':>12}{'args GB':>10}{'temp GB':>12}{'out GB':>9}{'GB/layer':>10}{'TFLOP/dev':>11}"
         f"{'fits':>6}  shape",

@@ -41,6 +41,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulorl_jax.models.attention import AttentionMask
+from ulorl_jax.models.fallback import warn_once
+from ulorl_jax.models.layer_scan import scan_layers, unscannable
 from ulorl_jax.models.moe import load_balancing_loss
 from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.rl.losses import ENTROPY_MODES, IS_MODES, LOSS_AGG_MODES, MASK_MODES, weighted_policy_loss
@@ -85,6 +87,7 @@ class LearnerConfig:
     micro_batch_rows: int = 1  # packed rows per micro-batch (a multiple of the mesh's data shards)
     row_len: int = 2048  # packing row length in tokens
     remat: str = "full"  # see REMAT_POLICIES
+    scan_layers: bool = False  # decoder layers as one lax.scan (compile time independent of depth)
     logprob_chunk: int = 1024  # sequence chunk of the log-prob / entropy scan
     aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight
     temperature: float = 1.0  # rollout temperature; log-probs are recomputed at it
@@ -143,12 +146,14 @@ def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
 
 
 def policy_forward(model, tokens: jnp.ndarray, positions: jnp.ndarray, segment_ids: jnp.ndarray, *,
-                   remat: str = "none") -> tuple[jnp.ndarray, jnp.ndarray]:
+                   remat: str = "none", scan: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Packed rows -> (hidden [B, T, D] after the final norm, MoE aux loss).
 
     The same computation as `Qwen3ForCausalLM.forward(compute_logits=False)`
     (tested equal), with each decoder layer wrapped in `nnx.remat` under the
     named policy, so the backward pass keeps one layer's activations at a time.
+    `scan`: run the layers as one `lax.scan` over their stacked weights
+    (models/layer_scan.py); models whose layers differ run unrolled, with a warning.
     """
     policy = REMAT_POLICIES[remat]
     b, t = tokens.shape
@@ -162,12 +167,20 @@ def policy_forward(model, tokens: jnp.ndarray, positions: jnp.ndarray, segment_i
         y, _, router_logits = layer(x, cos, sin, mask)
         return y, router_logits
 
-    call = layer_fn if policy is None else nnx.remat(layer_fn, policy=policy)
     router_logits = []
-    for layer in model.layers:
-        x, rl = call(layer, x, cos, sin, segment_ids, idx)
-        if rl is not None:
-            router_logits.append(rl)
+    if scan and unscannable(model.layers) is None:
+        x, stacked = scan_layers(model.layers, layer_fn, x, cos, sin, segment_ids, idx, policy=policy, dtype=x.dtype)
+        if stacked is not None:  # MoE: router logits [L, B*T, E]
+            router_logits = list(stacked)
+    else:
+        if scan:
+            warn_once(log, "scan_layers", f"learner.scan_layers: running the layers unrolled "
+                                          f"({unscannable(model.layers)})")
+        call = layer_fn if policy is None else nnx.remat(layer_fn, policy=policy)
+        for layer in model.layers:
+            x, rl = call(layer, x, cos, sin, segment_ids, idx)
+            if rl is not None:
+                router_logits.append(rl)
     hidden = model.norm(x)
     aux = jnp.zeros((), jnp.float32)
     if router_logits:
@@ -179,7 +192,8 @@ def policy_forward(model, tokens: jnp.ndarray, positions: jnp.ndarray, segment_i
 
 def _token_scores(model, mb: dict, config: LearnerConfig) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """One micro-batch -> (log p(target) [r, L], entropy [r, L], aux loss)."""
-    hidden, aux = policy_forward(model, mb["tokens"], mb["positions"], mb["segment_ids"], remat=config.remat)
+    hidden, aux = policy_forward(model, mb["tokens"], mb["positions"], mb["segment_ids"], remat=config.remat,
+                                 scan=config.scan_layers)
     logp, entropy = chunked_logprobs_and_entropy(
         hidden, model.lm_head_weight(), mb["targets"], chunk_size=config.logprob_chunk,
         compute_dtype=hidden.dtype, temperature=config.temperature)

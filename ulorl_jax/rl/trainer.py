@@ -130,7 +130,8 @@ def learner_config(cfg: RunConfig) -> LearnerConfig:
         lr=o.lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay, adam_b1=o.betas[0],
         adam_b2=o.betas[1], adam_eps=o.eps, grad_clip=o.grad_clip or 0.0,
         ppo_mini_batch_size=t.ppo_mini_batch_size, ppo_epochs=t.ppo_epochs, micro_batch_rows=t.micro_batch_rows,
-        row_len=row_len, remat="full" if t.remat else "none", logprob_chunk=t.logprob_chunk,
+        row_len=row_len, remat="full" if t.remat else "none", scan_layers=t.scan_layers,
+        logprob_chunk=t.logprob_chunk,
         temperature=r.temperature if r.temperature > 0 else 1.0)
 
 
@@ -276,7 +277,10 @@ class Trainer:
         self.engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len,
                                    max_cache_len=max_len, prefill_buckets=r.prefill_buckets,
                                    sampling=rollout_cfg.sampling, eos_token_ids=rollout_cfg.eos_token_ids,
-                                   tokenizer=self.tokenizer)
+                                   tokenizer=self.tokenizer,
+                                   # one process: decode on the learner's mesh with its sharded params; several:
+                                   # each process's engine is local (`decode_params`)
+                                   mesh=self.mesh if jax.process_count() == 1 else None)
         self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
                                             length_oracle=length_oracle)
         self.process_count = jax.process_count()
