@@ -9,6 +9,8 @@ Tolerance: f32, same math with a different summation order (psum_scatter over
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,10 +88,24 @@ def _count_parallel_calls(monkeypatch) -> list:
 @pytest.mark.parametrize("mesh_cfg", MESHES, ids=lambda c: f"d{c.data}f{c.fsdp}e{c.expert}t{c.tensor}")
 @pytest.mark.parametrize("shape,rows_per_chunk", [((8, 3), None), ((1, 13), 8)], ids=["even", "odd-chunked"])
 def test_block_forward_and_grads_equal_single_device(mesh_cfg, shape, rows_per_chunk, monkeypatch):
+    _check_block_on_mesh(mesh_cfg, shape, rows_per_chunk, "ragged", monkeypatch)
+
+
+@needs_8
+@pytest.mark.parametrize("mesh_cfg", [MESHES[0], MESHES[3]], ids=lambda c: f"d{c.data}f{c.fsdp}e{c.expert}t{c.tensor}")
+def test_pallas_grouped_matmul_block_on_mesh_equals_single_device(mesh_cfg, monkeypatch):
+    """moe_impl=pallas inside the expert-parallel shard_map (checked varying axes): the kernel's out_shape
+    and custom VJP carry the inputs' varying axes (kernels/vma.py); equal to the one-device ragged block."""
+    _check_block_on_mesh(mesh_cfg, (8, 3), None, "pallas", monkeypatch)
+
+
+def _check_block_on_mesh(mesh_cfg, shape, rows_per_chunk, moe_impl, monkeypatch):
     if rows_per_chunk:  # several chunks per device
         monkeypatch.setattr(moe_parallel, "ROWS_PER_CHUNK", rows_per_chunk)
     calls = _count_parallel_calls(monkeypatch)
     block = SparseMoeBlock(tiny_config("qwen3_moe", **BLOCK), rngs=nnx.Rngs(params=3))
+    sharded_block = SparseMoeBlock(tiny_config("qwen3_moe", moe_impl=moe_impl, **BLOCK), rngs=nnx.Rngs(params=3))
+    sharded_graphdef = nnx.graphdef(sharded_block)
     graphdef, params, other = nnx.split(block, nnx.Param, ...)
     x = jax.random.normal(jax.random.key(1), (*shape, BLOCK["hidden_size"]))
     loss = _block_loss(graphdef, other)
@@ -102,6 +118,8 @@ def test_block_forward_and_grads_equal_single_device(mesh_cfg, shape, rows_per_c
     mesh = make_mesh(mesh_cfg)
     param_sh = param_shardings(params, mesh)
     x_sh = NamedSharding(mesh, P(BATCH_AXES) if shape[0] % 8 == 0 else P())
+    loss = _block_loss(sharded_graphdef, other)
+    forward = lambda p, x: nnx.merge(sharded_graphdef, p, other)(x)[0]  # noqa: E731
     y = jax.jit(mesh_context(forward, mesh), in_shardings=(param_sh, x_sh))(params, x)
     l, (gp, gx) = jax.jit(mesh_context(jax.value_and_grad(loss, argnums=(0, 1)), mesh),
                           in_shardings=(param_sh, x_sh))(params, x)
@@ -120,7 +138,7 @@ def test_block_forward_and_grads_equal_single_device(mesh_cfg, shape, rows_per_c
 
 @pytest.mark.slow
 @needs_8
-def test_learner_gradients_on_data_fsdp_expert_mesh_equal_single_device(monkeypatch):
+def test_scanned_learner_gradients_on_data_fsdp_expert_mesh_equal_unrolled_single_device(monkeypatch):
     from test_learner import VOCAB, _assert_trees_close, _config, _samples
 
     from ulorl_jax.rl.learner import Learner
@@ -131,7 +149,26 @@ def test_learner_gradients_on_data_fsdp_expert_mesh_equal_single_device(monkeypa
     conf = _config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
     loss_ref, grads_ref = Learner(model, conf).gradients(samples)
     calls = _count_parallel_calls(monkeypatch)
-    loss, grads = Learner(model, conf, make_mesh(MeshConfig(data=2, fsdp=2, expert=2))).gradients(samples)
+    # The sharded side also scans its layers (models/layer_scan.py): stacked weights keep their shardings.
+    scanned = dataclasses.replace(conf, scan_layers=True)
+    loss, grads = Learner(model, scanned, make_mesh(MeshConfig(data=2, fsdp=2, expert=2))).gradients(samples)
     assert calls  # the model's MoE layers ran expert-parallel
     np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
     _assert_trees_close(grads, grads_ref, 1e-4, 1e-6, "grads data=2 fsdp=2 expert=2")
+
+
+@needs_8
+def test_router_top_k_stays_row_sharded():
+    """top_k's custom call is replicated by GSPMD (an all-gather of [all tokens, E] per MoE layer and again
+    in the aux loss); `top_k_rows` runs it per row shard: same values and indices, no [N, E] gather."""
+    n, e, k = 64, 16, 4
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (n, e)), axis=-1)
+    want = jax.lax.top_k(probs, k)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, expert=2))
+    placed = jax.device_put(probs, NamedSharding(mesh, P(BATCH_AXES, None)))
+    fn = jax.jit(mesh_context(lambda p: moe.top_k_rows(p, k), mesh))
+    got = fn(placed)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=0)
+    hlo = fn.lower(placed).compile().as_text()
+    assert f"f32[{n},{e}]" not in hlo and f"f32[{n // 8},{e}]" in hlo

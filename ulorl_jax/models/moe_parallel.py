@@ -97,12 +97,15 @@ def _local_experts(x, weights, experts, w_gate, w_up, w_down, *, local_fn: Calla
 
 
 def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_fn: Callable,
-                     rows_per_chunk: int | None = None) -> jnp.ndarray:
+                     rows_per_chunk: int | None = None, check_vma: bool = True) -> jnp.ndarray:
     """Expert-parallel experts on `mesh` (an AbstractMesh or Mesh with MESH_AXES).
 
     x [N, D]; weights / experts [N, K] (router output); w_gate / w_up [E, D, F];
     w_down [E, F, D] -> [N, D], equal to local_fn(x, weights, experts, w_*) on one device.
     local_fn: moe.experts_ragged-like, taking `expert_offset`. rows_per_chunk: default ROWS_PER_CHUNK.
+    check_vma: False for a Pallas local_fn — a pallas_call's out_shape carries no varying-axes type and
+    the Pallas interpreter cannot run under checked types (as kernels/sharded.py for attention); the
+    gradients are tested equal to one device both ways (tests/test_moe_parallel.py).
     """
     rows_per_chunk = ROWS_PER_CHUNK if rows_per_chunk is None else rows_per_chunk
     rules = DEFAULT_PARAM_RULES
@@ -121,5 +124,5 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_f
     body = lambda *a: _local_experts(*a, local_fn=local_fn, ep_axes=ep_axes, embed_axes=embed_axes,  # noqa: E731
                                      mlp_axes=mlp_axes, rows_per_chunk=rows_per_chunk)
     y = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-                      out_specs=tokens)(x, weights, experts, w_gate, w_up, w_down)
+                      out_specs=tokens, check_vma=check_vma)(x, weights, experts, w_gate, w_up, w_down)
     return y[:n]
