@@ -217,7 +217,12 @@ def decode(
     elif k_cache.shape != v_cache.shape or k_cache.shape[0] != q.shape[0] or k_cache.shape[3] != q.shape[2]:
         reason = f"kernel needs k.shape == v.shape and matching batch / head_dim: {q.shape}, {k_cache.shape}"
     else:
-        return decode_attention(q, k_cache, v_cache, lengths, q_segment_ids=q_segment_ids,
-                                kv_segment_ids=kv_segment_ids)
+        kernel = lambda q, k, v, n, q_seg, kv_seg: decode_attention(  # noqa: E731
+            q, k, v, n, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+        mesh = context_mesh()  # as for attention(): split the custom call by slot and head
+        if mesh is None:
+            return kernel(q, k_cache, v_cache, lengths, q_segment_ids, kv_segment_ids)
+        return sharded.shard_decode_attention(kernel, q, k_cache, v_cache, lengths, q_segment_ids,
+                                              kv_segment_ids, mesh=mesh)
     _fallback(impl, reason, what="decode attention")
     return xla()

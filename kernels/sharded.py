@@ -31,25 +31,14 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MeshError, _axis_size
+from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MeshError, _axis_size, batch_axes_for
 
-__all__ = ["batch_axes_for", "shard_attention"]
+__all__ = ["batch_axes_for", "shard_attention", "shard_decode_attention"]
 
 logger = logging.getLogger(__name__)
 
 # kernel(q, k, v, segment_ids) -> o, all in the shapes above (segment_ids may be None).
 Kernel = Callable[[jax.Array, jax.Array, jax.Array, "jax.Array | None"], jax.Array]
-
-
-def batch_axes_for(batch: int, mesh) -> tuple[str, ...]:
-    """The BATCH_AXES, in order, that split `batch` rows evenly: all of them when the
-    batch divides over the data shards (the learner's micro-batches always do); otherwise
-    the rows are split over the axes that still divide and replicated over the rest."""
-    axes: tuple[str, ...] = ()
-    for axis in BATCH_AXES:
-        if batch % _axis_size(mesh, axes + (axis,)) == 0:
-            axes += (axis,)
-    return axes
 
 
 def _head_axes(q_heads: int, kv_heads: int, mesh):
@@ -88,3 +77,31 @@ def shard_attention(kernel: Kernel, q: jax.Array, k: jax.Array, v: jax.Array,
     # check without one). Nothing here needs it: the output of every shard is its own block, and a
     # copy over axes the rows could not split over (replicated inputs) is the same on each device.
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)(*args)
+
+
+# decode_kernel(q [B, Hq, D], k / v [B, S, Hkv, D], lengths [B], q_segment_ids [B] | None,
+#               kv_segment_ids [B, S] | None) -> [B, Hq, D]
+DecodeKernel = Callable[..., jax.Array]
+
+
+def shard_decode_attention(kernel: DecodeKernel, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                           lengths: jax.Array, q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
+                           *, mesh) -> jax.Array:
+    """The decode kernel on `mesh`, one call per (slot, head) block: slots over the BATCH_AXES that
+    divide them, heads over the head axes; each device reads only its slots' KV cache (otherwise GSPMD
+    would gather every slot's cache to every device for the replicated custom call)."""
+    rows = batch_axes_for(q.shape[0], mesh) or None
+    heads = _head_axes(q.shape[1], k_cache.shape[2], mesh)
+    per_slot, cache = P(rows), P(rows, None, heads, None)
+    optional = [(x, spec) for x, spec in ((q_segment_ids, per_slot), (kv_segment_ids, P(rows, None)))
+                if x is not None]
+
+    def body(q, k, v, lengths, *segments):
+        it = iter(segments)
+        q_seg = next(it) if q_segment_ids is not None else None
+        kv_seg = next(it) if kv_segment_ids is not None else None
+        return kernel(q, k, v, lengths, q_seg, kv_seg)
+
+    out = P(rows, heads, None)
+    return jax.shard_map(body, mesh=mesh, in_specs=(out, cache, cache, per_slot, *(s for _, s in optional)),
+                         out_specs=out, check_vma=False)(q, k_cache, v_cache, lengths, *(x for x, _ in optional))

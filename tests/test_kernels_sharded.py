@@ -193,3 +193,31 @@ def test_learner_gradients_with_pallas_attention_on_a_mesh_equal_single_device(m
     assert calls  # the model's attention ran per shard
     np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
     _assert_trees_close(grads, grads_ref, 1e-4, 1e-6, "grads data=2 fsdp=2 expert=2")
+
+
+@needs_8
+@pytest.mark.parametrize("mesh_cfg", [MESHES[1], MESHES[2]], ids=mesh_id)
+def test_sharded_decode_attention_equals_unsharded_and_reads_only_local_slots(mesh_cfg):
+    """kernels.decode under a mesh context: one split-KV kernel call per (slot, head) block, equal to the
+    unsharded kernel for ragged lengths and left padding; no device holds the whole [B, S, Hkv, D] cache."""
+    from ulorl_jax.kernels import decode
+
+    b, s = 8, 48
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (b, HQ, D))
+    k, v = (jax.random.normal(key, (b, s, HKV, D)) for key in keys[1:])
+    lengths = jnp.asarray([1, 48, 17, 33, 5, 40, 24, 48], jnp.int32)
+    kv_seg = (jnp.arange(s)[None, :] >= jnp.asarray([0, 10, 0, 3, 0, 0, 8, 47])[:, None]).astype(jnp.int32)
+    q_seg = jnp.ones((b,), jnp.int32)
+    fn = lambda *a: decode(*a[:4], q_segment_ids=a[4], kv_segment_ids=a[5], impl="pallas")  # noqa: E731
+    want = jax.jit(fn)(q, k, v, lengths, q_seg, kv_seg)
+    mesh = make_mesh(mesh_cfg)
+    rows = sharded.batch_axes_for(b, mesh)
+    put = lambda x, *rest: jax.device_put(x, NamedSharding(mesh, P(rows, *rest)))  # noqa: E731
+    args = (put(q, "tensor", None), put(k, None, "tensor", None), put(v, None, "tensor", None), put(lengths),
+            put(q_seg), put(kv_seg, None))
+    sharded_fn = jax.jit(mesh_context(fn, mesh))
+    assert "shard_map" in str(jax.make_jaxpr(mesh_context(fn, mesh))(*args))
+    np.testing.assert_allclose(sharded_fn(*args), want, atol=ATOL, rtol=0)
+    hlo = sharded_fn.lower(*args).compile().as_text()
+    assert f"f32[{b},{s},{HKV},{D}]" not in hlo

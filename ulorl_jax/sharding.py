@@ -185,6 +185,17 @@ def constrain(x, axes: tuple):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes)))
 
 
+def batch_axes_for(batch: int, mesh) -> tuple[str, ...]:
+    """The BATCH_AXES, in order, that split `batch` rows evenly: all of them when the
+    batch divides over the data shards (the learner's micro-batches always do); otherwise
+    the rows are split over the axes that still divide and replicated over the rest."""
+    axes: tuple[str, ...] = ()
+    for axis in BATCH_AXES:
+        if batch % _axis_size(mesh, axes + (axis,)) == 0:
+            axes += (axis,)
+    return axes
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Batch dimension over (data, fsdp, expert); the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))

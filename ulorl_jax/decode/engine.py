@@ -17,6 +17,11 @@ jetstream.
   decode state, so a request's tokens do not depend on which slot it got.
 - `generate_steps` runs several decode steps in one jit (`lax.scan`): on small
   models per-token Python dispatch would dominate.
+- `mesh` (a `sharding.make_mesh` mesh): every jitted function is traced under it
+  (`sharding.mesh_context`), so the MoE runs expert-parallel and Pallas attention
+  one kernel call per (slot, head) block, as in the learner; the decode state is
+  kept with its slots over the data axes and the KV cache's heads over `tensor`.
+  Pass params sharded on the same mesh (the learner's).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from flax import nnx, struct
 
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
 from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
+from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MESH_AXES, _axis_size, batch_axes_for, context_mesh,
+                                mesh_context)
 
 # --------------------------------------------------------------------------------------
 # JetStream-shaped result containers (same fields / methods as jetstream's engine_api).
@@ -153,6 +160,34 @@ def _prefill_impl(graphdef, rest, params, tokens, true_length, cache, key, budge
     return Prefix(cache, tok[0], lp[0], slp[0], key, budget, done)
 
 
+def decode_state_specs(state: DecodeState, mesh) -> DecodeState:
+    """PartitionSpecs of a decode state on `mesh`: slots over the data axes that divide them, the KV
+    cache's heads over the kv_heads rule when they divide, everything else replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    rows = batch_axes_for(state.tokens.shape[0], mesh) or None
+    heads = DEFAULT_PARAM_RULES["kv_heads"]
+    kv_heads = state.cache.k[0].shape[2] if state.cache.k else 0
+    heads = heads if heads is not None and kv_heads % _axis_size(mesh, heads) == 0 else None
+    per_slot = lambda x: P(rows, *([None] * (x.ndim - 1)))  # noqa: E731
+    specs = jax.tree.map(per_slot, state)
+    cache = P(rows, None, heads, None)
+    return specs._replace(cache=specs.cache._replace(k=tuple(cache for _ in state.cache.k),
+                                                     v=tuple(cache for _ in state.cache.v)))
+
+
+def _laid_out(state: DecodeState) -> DecodeState:
+    """Under a mesh context, pin the state to `decode_state_specs` (a stable layout: no resharding and no
+    recompile between calls); otherwise unchanged."""
+    mesh = context_mesh()
+    if mesh is None:
+        return state
+    from jax.sharding import NamedSharding
+
+    return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+                        state, decode_state_specs(state, mesh))
+
+
 def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     c, p = state.cache, prefix.cache
     s, length = c.max_len, p.max_len
@@ -168,7 +203,7 @@ def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
         index=c.index.at[slot].set(p.index[0]),
         position=c.position.at[slot].set(p.position[0]),
     )
-    return DecodeState(
+    return _laid_out(DecodeState(
         cache=cache,
         tokens=state.tokens.at[slot].set(prefix.token),
         keys=state.keys.at[slot].set(prefix.key),
@@ -177,7 +212,7 @@ def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
         done=state.done.at[slot].set(prefix.done),
         logprobs=state.logprobs.at[slot].set(prefix.logprob),
         sampling_logprobs=state.sampling_logprobs.at[slot].set(prefix.sampling_logprob),
-    )
+    ))
 
 
 def _generate_impl(graphdef, rest, params, state: DecodeState, *, sampling, eos_ids):
@@ -194,7 +229,7 @@ def _generate_impl(graphdef, rest, params, state: DecodeState, *, sampling, eos_
     done = state.done | (active & (_eos_hit(tok, eos_ids) | (lengths >= state.budget)))
     new = DecodeState(cache, jnp.where(active, tok, state.tokens), keys, lengths, state.budget, done,
                       jnp.where(active, lp, state.logprobs), jnp.where(active, slp, state.sampling_logprobs))
-    return new, (tok, lp, slp, active)
+    return _laid_out(new), (tok, lp, slp, active)
 
 
 def _generate_steps_impl(graphdef, rest, params, state, *, num_steps, sampling, eos_ids):
@@ -279,18 +314,23 @@ class PolicyEngine:
         self._tokenizer = tokenizer
         self._prefill_calls = 0
         g, r = self._graphdef, self._rest
-        self._prefill_jit = jax.jit(lambda p, t, n, c, k, b, *, sampling, eos_ids:
-                                    _prefill_impl(g, r, p, t, n, c, k, b, sampling=sampling, eos_ids=eos_ids),
+        # Under a mesh of several devices, trace everything under it (see module doc).
+        self._sharded = mesh is not None and set(MESH_AXES) <= set(mesh.axis_names) and mesh.size > 1
+        traced = (lambda f: mesh_context(f, mesh)) if self._sharded else (lambda f: f)
+        self._prefill_jit = jax.jit(traced(lambda p, t, n, c, k, b, *, sampling, eos_ids:
+                                           _prefill_impl(g, r, p, t, n, c, k, b, sampling=sampling,
+                                                         eos_ids=eos_ids)),
                                     static_argnames=("sampling", "eos_ids"))
-        self._insert_jit = jax.jit(_insert_impl, donate_argnums=(1,))
-        self._generate_jit = jax.jit(lambda p, s, *, sampling, eos_ids:
-                                     _generate_impl(g, r, p, s, sampling=sampling, eos_ids=eos_ids),
+        self._insert_jit = jax.jit(traced(_insert_impl), donate_argnums=(1,))
+        self._generate_jit = jax.jit(traced(lambda p, s, *, sampling, eos_ids:
+                                            _generate_impl(g, r, p, s, sampling=sampling, eos_ids=eos_ids)),
                                      static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
-        self._steps_jit = jax.jit(lambda p, s, *, num_steps, sampling, eos_ids:
-                                  _generate_steps_impl(g, r, p, s, num_steps=num_steps, sampling=sampling,
-                                                       eos_ids=eos_ids),
+        self._steps_jit = jax.jit(traced(lambda p, s, *, num_steps, sampling, eos_ids:
+                                         _generate_steps_impl(g, r, p, s, num_steps=num_steps, sampling=sampling,
+                                                              eos_ids=eos_ids)),
                                   static_argnames=("num_steps", "sampling", "eos_ids"), donate_argnums=(1,))
-        self._free_jit = jax.jit(lambda s, slot: s._replace(done=s.done.at[slot].set(True)), donate_argnums=(0,))
+        self._free_jit = jax.jit(traced(lambda s, slot: _laid_out(s._replace(done=s.done.at[slot].set(True)))),
+                                 donate_argnums=(0,))
 
     # -- JetStream Engine properties ------------------------------------------------------
 
@@ -340,6 +380,11 @@ class PolicyEngine:
         state = DecodeState(self._model.init_cache(b, self.max_cache_len), jnp.zeros((b,), jnp.int32),
                             jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
                             jnp.ones((b,), bool), zf, zf)
+        if self._sharded:  # placed as every jitted function keeps it (`decode_state_specs`)
+            from jax.sharding import NamedSharding
+
+            return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self._mesh, spec)), state,
+                                decode_state_specs(state, self._mesh))
         # Distinct buffers (init_cache shares its zeros): the state is donated leaf by leaf.
         return jax.tree.map(lambda a: jnp.array(a, copy=True), state)
 
