@@ -43,18 +43,22 @@ def test_rl_raises_reward_on_an_easy_setting(tmp_path):
     assert np.isfinite(entropies).all()
 
 
+QUICK_TEST = ["trainer.sft_steps=40", "trainer.total_steps=4"]
+
+
 @pytest.mark.slow
 def test_quick_demo_runs_end_to_end(tmp_path):
     """The README's main command in its CI size: prints a summary, writes metrics, plots, summary.json."""
     run = tmp_path / "demo"
-    out = subprocess.run([sys.executable, "-m", "ulorl_jax.cli", "demo", "--quick", "--run-dir", str(run), "--json"],
-                         capture_output=True, text=True, timeout=900)
+    # Shorter still than --quick (CI time): overrides after --quick win over its own.
+    out = subprocess.run([sys.executable, "-m", "ulorl_jax.cli", "demo", "--quick", "--run-dir", str(run), "--json",
+                          *QUICK_TEST], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "== ulorl demo summary ==" in out.stdout
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary == json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
-    assert summary["steps"] == load_config("tiny_cpu", ["trainer.total_steps=8"]).trainer.total_steps
+    assert summary["steps"] == load_config("tiny_cpu", QUICK_TEST).trainer.total_steps == 4
     assert (run / "metrics.jsonl").read_text().count("\n") == summary["steps"]
     for name in ("reward.png", "entropy.png", "response_length.png", "pools.png"):
         assert (run / "plots" / name).stat().st_size > 0

@@ -234,18 +234,15 @@ def test_sharded_step_equals_single_device():
     samples = _samples(8, 20)
     conf = _config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
     ref = Learner(model, conf)
-    loss_ref, grads_ref = ref.gradients(samples)
     assert ref.pack(samples)[1]["tokens"].shape[0] == 2  # two micro-batches of 8 rows
     m_ref = ref.update(samples)
     assert m_ref["masked_fraction"] > 0 and m_ref["aux_loss"] > 0
-    # Tolerance: same math, different reduction order across shards (float32).
+    # Tolerance: same math, different reduction order across shards (float32). Gradients alone on a
+    # data / fsdp / expert mesh: test_moe_parallel.py; here the whole update (loss, grad norm, AdamW).
     for mesh_cfg in (MeshConfig(fsdp=8), MeshConfig(fsdp=2, expert=4)):
         mesh = make_mesh(mesh_cfg)
         sharded = Learner(model, conf, mesh)
         assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(sharded.params))
-        loss, grads = sharded.gradients(samples)
-        np.testing.assert_allclose(loss, loss_ref, rtol=1e-5, err_msg=str(mesh_cfg))
-        _assert_trees_close(grads, grads_ref, 1e-4, 1e-6, f"grads {mesh_cfg}")
         m = sharded.update(samples)
         for key in ("loss", "grad_norm", "masked_fraction", "entropy", "aux_loss"):
             np.testing.assert_allclose(m[key], m_ref[key], rtol=1e-4, err_msg=f"{key} {mesh_cfg}")
