@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
 from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
@@ -163,8 +164,6 @@ def _prefill_impl(graphdef, rest, params, tokens, true_length, cache, key, budge
 def decode_state_specs(state: DecodeState, mesh) -> DecodeState:
     """PartitionSpecs of a decode state on `mesh`: slots over the data axes that divide them, the KV
     cache's heads over the kv_heads rule when they divide, everything else replicated."""
-    from jax.sharding import PartitionSpec as P
-
     rows = batch_axes_for(state.tokens.shape[0], mesh) or None
     heads = DEFAULT_PARAM_RULES["kv_heads"]
     kv_heads = state.cache.k[0].shape[2] if state.cache.k else 0
@@ -182,8 +181,6 @@ def _laid_out(state: DecodeState) -> DecodeState:
     mesh = context_mesh()
     if mesh is None:
         return state
-    from jax.sharding import NamedSharding
-
     return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
                         state, decode_state_specs(state, mesh))
 
@@ -381,8 +378,6 @@ class PolicyEngine:
                             jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
                             jnp.ones((b,), bool), zf, zf)
         if self._sharded:  # placed as every jitted function keeps it (`decode_state_specs`)
-            from jax.sharding import NamedSharding
-
             return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(self._mesh, spec)), state,
                                 decode_state_specs(state, self._mesh))
         # Distinct buffers (init_cache shares its zeros): the state is donated leaf by leaf.

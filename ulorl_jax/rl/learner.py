@@ -168,14 +168,14 @@ def policy_forward(model, tokens: jnp.ndarray, positions: jnp.ndarray, segment_i
         return y, router_logits
 
     router_logits = []
-    if scan and unscannable(model.layers) is None:
+    reason = unscannable(model.layers) if scan else None
+    if scan and reason is None:
         x, stacked = scan_layers(model.layers, layer_fn, x, cos, sin, segment_ids, idx, policy=policy, dtype=x.dtype)
         if stacked is not None:  # MoE: router logits [L, B*T, E]
             router_logits = list(stacked)
     else:
         if scan:
-            warn_once(log, "scan_layers", f"learner.scan_layers: running the layers unrolled "
-                                          f"({unscannable(model.layers)})")
+            warn_once(log, "scan_layers", f"learner.scan_layers: running the layers unrolled ({reason})")
         call = layer_fn if policy is None else nnx.remat(layer_fn, policy=policy)
         for layer in model.layers:
             x, rl = call(layer, x, cos, sin, segment_ids, idx)
