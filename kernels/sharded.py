@@ -31,7 +31,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MeshError, _axis_size, batch_axes_for
+from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MeshError, axis_size, batch_axes_for
 
 __all__ = ["batch_axes_for", "shard_attention", "shard_decode_attention"]
 
@@ -47,7 +47,7 @@ def _head_axes(q_heads: int, kv_heads: int, mesh):
     if axes != DEFAULT_PARAM_RULES["kv_heads"]:
         raise MeshError(f"sharded attention needs q and kv heads on the same mesh axes; rules give "
                         f"q_heads -> {axes!r}, kv_heads -> {DEFAULT_PARAM_RULES['kv_heads']!r}")
-    size = _axis_size(mesh, axes)
+    size = axis_size(mesh, axes)
     if q_heads % size or kv_heads % size:
         raise MeshError(f"attention with {q_heads} query heads and {kv_heads} kv heads does not split over "
                         f"mesh axes {axes!r} of size {size}: both head counts must be multiples of {size}")
@@ -63,7 +63,7 @@ def shard_attention(kernel: Kernel, q: jax.Array, k: jax.Array, v: jax.Array,
     Raises MeshError when Hq or Hkv does not divide over the head axes.
     """
     batch_axes = batch_axes_for(q.shape[0], mesh)
-    if _axis_size(mesh, batch_axes) < _axis_size(mesh, BATCH_AXES):
+    if axis_size(mesh, batch_axes) < axis_size(mesh, BATCH_AXES):
         logger.warning("sharded attention: batch %d does not divide over %s %s; rows split over %s only",
                        q.shape[0], BATCH_AXES, tuple(mesh.shape[a] for a in BATCH_AXES), batch_axes)
     heads = _head_axes(q.shape[2], k.shape[2], mesh)

@@ -100,7 +100,8 @@ def logical_to_spec(axes: tuple | None, rules: dict | None = None) -> P:
     return P(*specs)
 
 
-def _axis_size(mesh: Mesh, entry) -> int:
+def axis_size(mesh: Mesh, entry) -> int:
+    """Devices along one PartitionSpec entry (None, an axis name or a tuple of names) of `mesh`."""
     if entry is None:
         return 1
     names = entry if isinstance(entry, tuple) else (entry,)
@@ -111,10 +112,10 @@ def spec_for(name: str, shape: tuple[int, ...], axes: tuple | None, mesh: Mesh, 
     """NamedSharding for one tensor, after checking every sharded dim divides."""
     spec = logical_to_spec(axes, rules)
     for dim, entry in zip(shape, spec):
-        if dim % _axis_size(mesh, entry):
+        if dim % axis_size(mesh, entry):
             raise MeshError(
                 f"parameter {name} with shape {tuple(shape)} and logical axes {axes}: dimension {dim} "
-                f"does not divide over mesh axis {entry!r} of size {_axis_size(mesh, entry)}"
+                f"does not divide over mesh axis {entry!r} of size {axis_size(mesh, entry)}"
             )
     return NamedSharding(mesh, spec)
 
@@ -191,7 +192,7 @@ def batch_axes_for(batch: int, mesh) -> tuple[str, ...]:
     the rows are split over the axes that still divide and replicated over the rest."""
     axes: tuple[str, ...] = ()
     for axis in BATCH_AXES:
-        if batch % _axis_size(mesh, axes + (axis,)) == 0:
+        if batch % axis_size(mesh, axes + (axis,)) == 0:
             axes += (axis,)
     return axes
 
@@ -203,7 +204,7 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def shard_batch(x, mesh: Mesh):
     """Place a host batch [B, ...] on the mesh, checking B divides over the batch axes."""
-    n = _axis_size(mesh, BATCH_AXES)
+    n = axis_size(mesh, BATCH_AXES)
     if x.shape[0] % n:
         raise MeshError(f"batch of shape {tuple(x.shape)}: size {x.shape[0]} does not divide over {n} data shards "
                         f"(mesh axes {BATCH_AXES})")

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
 from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
-from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MESH_AXES, _axis_size, batch_axes_for, context_mesh,
+from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MESH_AXES, axis_size, batch_axes_for, context_mesh,
                                 mesh_context)
 
 # --------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def decode_state_specs(state: DecodeState, mesh) -> DecodeState:
     rows = batch_axes_for(state.tokens.shape[0], mesh) or None
     heads = DEFAULT_PARAM_RULES["kv_heads"]
     kv_heads = state.cache.k[0].shape[2] if state.cache.k else 0
-    heads = heads if heads is not None and kv_heads % _axis_size(mesh, heads) == 0 else None
+    heads = heads if heads is not None and kv_heads % axis_size(mesh, heads) == 0 else None
     per_slot = lambda x: P(rows, *([None] * (x.ndim - 1)))  # noqa: E731
     specs = jax.tree.map(per_slot, state)
     cache = P(rows, None, heads, None)
