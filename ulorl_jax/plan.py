@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -183,14 +182,14 @@ def compile_decode_step(model_config, mesh, slots: int, cache_len: int, compile:
 
     from ulorl_jax.decode.engine import PolicyEngine
     from ulorl_jax.decode.sampling import SamplingParams
-    from ulorl_jax.sharding import BATCH_AXES, param_shardings
+    from ulorl_jax.sharding import BATCH_AXES, axis_size, param_shardings
 
     _, params, _, model = abstract_model(model_config)
     engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=min(cache_len, 16),
                           max_cache_len=cache_len, mesh=mesh)
     params_sds = _sds(params, param_shardings(params, mesh))
     state = jax.eval_shape(engine.init_decode_state)
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    shards = axis_size(mesh, BATCH_AXES)
 
     def shard(x):
         if x.ndim and x.shape[0] == slots and slots % shards == 0:
@@ -248,7 +247,7 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
     from ulorl_jax.bench.segment_cost import ModelShape
     from ulorl_jax.models.layer_scan import unscannable
     from ulorl_jax.rl.trainer import learner_config
-    from ulorl_jax.sharding import BATCH_AXES, make_mesh
+    from ulorl_jax.sharding import BATCH_AXES, axis_size, make_mesh
 
     if devices < 1:
         raise ValueError(f"--devices={devices} must be >= 1")
@@ -257,7 +256,7 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
     if attention in ("cudnn", "pallas"):
         mc = mc.replace(attention_impl="pallas")  # O(T)-memory flash attention, as on the GPU
     mesh = make_mesh(cfg.mesh.mesh_config(), devices=jax.devices()[:devices])
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    shards = axis_size(mesh, BATCH_AXES)
     lc = learner_config(cfg)
     row_len = seq_len or lc.row_len
     rows = max(lc.micro_batch_rows, shards)

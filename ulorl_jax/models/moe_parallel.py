@@ -29,14 +29,13 @@ The router (and its aux-loss logits) stays outside, partitioned by GSPMD.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MESH_AXES, MeshError
+from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MESH_AXES, MeshError, axis_size
 
 # Gathered (token, expert) assignment rows one device handles at a time (worst case: all local).
 # 64k rows x (2 x hidden + 3 x moe_intermediate) bf16 is ~0.8 GB for Qwen3-30B-A3B.
@@ -53,7 +52,7 @@ def expert_parallel_mesh() -> jax.sharding.AbstractMesh | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return None
-    if math.prod(mesh.shape[a] for a in BATCH_AXES) == 1:
+    if axis_size(mesh, BATCH_AXES) == 1:
         return None
     return mesh
 
@@ -114,7 +113,7 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_f
         raise MeshError(f"expert parallelism needs experts sharded over token axes {BATCH_AXES} and expert_mlp "
                         f"over none of them; rules give experts -> {ep_axes}, expert_mlp -> {mlp_axes}")
     n = x.shape[0]
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    shards = axis_size(mesh, BATCH_AXES)
     pad = -n % shards  # a token count that does not split over the data shards: zero-weight padding tokens
     if pad:
         x, weights, experts = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, experts))

@@ -47,7 +47,7 @@ from ulorl_jax.models.moe import load_balancing_loss
 from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.rl.losses import ENTROPY_MODES, IS_MODES, LOSS_AGG_MODES, MASK_MODES, weighted_policy_loss
 from ulorl_jax.rl.packing import PackedBatch, TrainSample, loss_weights, pack_samples, validate_samples
-from ulorl_jax.sharding import BATCH_AXES, MeshConfig, MeshError, make_mesh, mesh_context, param_shardings
+from ulorl_jax.sharding import BATCH_AXES, MeshConfig, MeshError, axis_size, make_mesh, mesh_context, param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +363,7 @@ class Learner:
     def __init__(self, model, config: LearnerConfig, mesh: Mesh | None = None):
         self.config = config
         self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
-        self._batch_shards = math.prod(self.mesh.shape[a] for a in BATCH_AXES)
+        self._batch_shards = axis_size(self.mesh, BATCH_AXES)
         if config.micro_batch_rows % self._batch_shards:
             raise MeshError(f"learner.micro_batch_rows={config.micro_batch_rows} must be a multiple of the mesh's "
                             f"{self._batch_shards} data shards (axes {BATCH_AXES})")
