@@ -3,7 +3,7 @@
 8 fake CPU devices (tests/conftest.py). The sharded engine gets params sharded as the learner holds
 them (`sharding.shard_model`) and `mesh=`: its functions trace under the mesh, so the MoE runs
 expert-parallel (models/moe_parallel.py) and Pallas decode attention one kernel call per (slot, head)
-block (kernels/sharded.py). Reference: the one-device engine (itself tested equal to transformers'
+block (kernels/pallas/sharded.py). Reference: the one-device engine (itself tested equal to transformers'
 generate in test_engine.py). Greedy tokens must be identical; log-probs f32 within 1e-4 (different
 summation order in the collectives).
 """

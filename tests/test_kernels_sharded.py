@@ -1,4 +1,4 @@
-"""Pallas flash attention under a mesh (kernels/sharded.py) == the unsharded kernel, forward and backward.
+"""Pallas flash attention under a mesh (kernels/pallas/sharded.py) == the unsharded kernel, forward and backward.
 
 8 fake CPU devices (tests/conftest.py), kernels in interpret mode. The sharded
 side is jitted with q / k / v placed batch -> BATCH_AXES, heads -> tensor and

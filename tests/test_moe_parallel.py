@@ -95,7 +95,7 @@ def test_block_forward_and_grads_equal_single_device(mesh_cfg, shape, rows_per_c
 @pytest.mark.parametrize("mesh_cfg", [MESHES[0], MESHES[3]], ids=lambda c: f"d{c.data}f{c.fsdp}e{c.expert}t{c.tensor}")
 def test_pallas_grouped_matmul_block_on_mesh_equals_single_device(mesh_cfg, monkeypatch):
     """moe_impl=pallas inside the expert-parallel shard_map (checked varying axes): the kernel's out_shape
-    and custom VJP carry the inputs' varying axes (kernels/vma.py); equal to the one-device ragged block."""
+    and custom VJP carry the inputs' varying axes (kernels/pallas/vma.py); equal to the one-device ragged block."""
     _check_block_on_mesh(mesh_cfg, (8, 3), None, "pallas", monkeypatch)
 
 

@@ -103,7 +103,7 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_f
     w_down [E, F, D] -> [N, D], equal to local_fn(x, weights, experts, w_*) on one device.
     local_fn: moe.experts_ragged-like, taking `expert_offset`. rows_per_chunk: default ROWS_PER_CHUNK.
     check_vma: False for a Pallas local_fn — a pallas_call's out_shape carries no varying-axes type and
-    the Pallas interpreter cannot run under checked types (as kernels/sharded.py for attention); the
+    the Pallas interpreter cannot run under checked types (as kernels/pallas/sharded.py for attention); the
     gradients are tested equal to one device both ways (tests/test_moe_parallel.py).
     """
     rows_per_chunk = ROWS_PER_CHUNK if rows_per_chunk is None else rows_per_chunk
