@@ -8,6 +8,7 @@ so steps replayed after the restored checkpoint are not duplicated.
 Metric names the progress line and `ulorl plot` read (write these from the trainer):
   reward_mean        mean reward of the samples trained on this step, in [0, 1]
   eval_accuracy      held-out avg@k accuracy (steps where an eval ran)
+  eval_pass_at_K     held-out unbiased pass@K for K = 1, 2, 4, 8 up to k (same steps; rl/pass_at_k.py)
   entropy            mean per-sample entropy H̄ of the trained samples (ULORL.md §3)
   pool_unfinished    unfinished-pool size after the step's rollout (ULORL.md §1)
   pool_experience    experience-pool size
