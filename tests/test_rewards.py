@@ -96,11 +96,15 @@ def test_extract_answer_with_pattern():
     ("$8$", "8"), ("8.", "8"), ("\\text{8}", "8"), ("-\\frac{3}{4}", "-0.75"),
 ])
 def test_quick_equivalence_numbers(pred, ref):
-    assert quick_equivalence(pred, ref) is True
+    # equal numbers in different notations: math-verify says so; the fast path never says otherwise
+    assert quick_equivalence(pred, ref) in (True, None)
+    assert answers_equivalent(pred, ref) is True
 
 
 def test_quick_equivalence_declines_symbolic():
     assert quick_equivalence("3", "4") is False
+    assert quick_equivalence("$8$", "8") is True  # the same math-verify input
+    assert quick_equivalence("0.5", "1/2") is None  # math-verify decides (it rounds floats)
     assert quick_equivalence("(x+1)^2", "x^2+2x+1") is None  # needs math-verify
     assert parse_number("\\frac{1}{0}") is None
     assert parse_number("x") is None
@@ -178,10 +182,11 @@ def test_scorer_rule_batch_against_unsandboxed_rule():
         expected = [rule_reward(t, r, truncated=tr) for t, r, tr, _ in batch]
         assert rewards == expected == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
         s = scorer.stats
-        assert (s.scored, s.truncated, s.no_answer, s.sandboxed) == (7, 1, 1, 2)
+        # sandboxed: 0.5 vs \frac{1}{2} (only math-verify may equate notations), (x+1)^2, x^3
+        assert (s.scored, s.truncated, s.no_answer, s.sandboxed) == (7, 1, 1, 3)
         assert s.timeouts == s.crashes == s.bad_values == 0
         scorer.score(batch[1:2])  # cached verdict: no new call
-        assert scorer.stats.sandboxed == 2
+        assert scorer.stats.sandboxed == 3
 
 
 def test_scorer_inline_matches_sandboxed():
@@ -268,7 +273,7 @@ def test_scorer_verifier_plumbing_with_stub_judge():
         batch = [("... \\boxed{27 cm}", "0.27 m", False, {"prompt": "q1"}),
                  ("\\boxed{x}", "y", False, {}),
                  ("\\boxed{one half}", "1/2", False, {}),
-                 ("\\boxed{0.5}", "1/2", False, {}),  # equal by the cheap rules: no judge call
+                 ("\\boxed{1/2}", "$1/2$", False, {}),  # equal by the cheap rules: no judge call
                  ("no box", "1", False, {}),
                  ("\\boxed{3}", "3", True, {})]
         assert scorer.score(batch) == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]

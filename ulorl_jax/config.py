@@ -55,6 +55,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.entropy_mode": ("sample", "batch"),  # per-sample H̄_i (paper) or batch mean
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean"),
     "reward.kind": ("rule", "verifier", "custom"),
+    "reward.extraction": ("boxed", "math_verify"),  # rule kind: last \boxed{} (paper) or math-verify's own
     "checkpoint.on_save_error": ("stop", "continue"),
 }
 # Runtime fields of ModelConfig that live in `model.*`, not in `model.arch`.
@@ -199,7 +200,9 @@ class TrainerOptions:
 class RewardOptions:
     kind: str = "rule"  # rule (math-verify) | verifier (generative judge) | custom (python function)
     answer_pattern: str | None = None  # regex whose group 1 is the final answer; null = last \boxed{...}
+    extraction: str = "boxed"  # kind=rule: boxed (last \boxed{}, the paper's rule) | math_verify (its extraction)
     timeout_s: float = 5.0  # per-sample equivalence check
+    workers: int | None = None  # sandbox processes for math-verify / custom_fn; null = the machine's cores (>= 2)
     custom_fn: str | None = None  # "module:function" (kind=custom)
     verifier_model: str | None = None  # model folder (kind=verifier)
 
@@ -552,6 +555,7 @@ def validate(cfg: RunConfig) -> None:
 
     w = cfg.reward
     _require(w.timeout_s > 0, "reward.timeout_s", w.timeout_s, "> 0 seconds")
+    _require(w.workers is None or w.workers >= 0, "reward.workers", w.workers, ">= 0 (0 = in-process) or null")
     if w.answer_pattern is not None:
         try:
             re.compile(w.answer_pattern)

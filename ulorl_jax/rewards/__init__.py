@@ -1,12 +1,13 @@
 """Rewards for UloRL (ULORL.md §4): 1 iff the final answer matches the reference, never a dead run."""
 
 # Batch scoring (what the trainer calls)
-from ulorl_jax.rewards.scorer import REWARD_KINDS, RewardConfig, RewardScorer, RewardStats, as_reward
+from ulorl_jax.rewards.scorer import EXTRACTIONS, REWARD_KINDS, RewardConfig, RewardScorer, RewardStats, as_reward
 
 # Answer extraction and equivalence
 from ulorl_jax.rewards.equivalence import (
     answers_equivalent,
     math_verify_equivalence,
+    math_verify_response_equivalence,
     normalize_answer,
     parse_number,
     quick_equivalence,
@@ -27,6 +28,7 @@ from ulorl_jax.rewards.verifier import (
 from ulorl_jax.rewards.sandbox import Outcome, SandboxPool, resolve_function
 
 __all__ = [
+    "EXTRACTIONS",
     "REWARD_KINDS",
     "RewardConfig",
     "RewardScorer",
@@ -34,6 +36,7 @@ __all__ = [
     "as_reward",
     "answers_equivalent",
     "math_verify_equivalence",
+    "math_verify_response_equivalence",
     "normalize_answer",
     "parse_number",
     "quick_equivalence",

@@ -14,7 +14,11 @@ from __future__ import annotations
 import functools
 import re
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+import numpy as np
+
+_BOX_START = re.compile(r"\\(?:boxed|fbox)")
+_TOKEN = re.compile(r" +([^\s$]+)")  # `\boxed 5`: one token after spaces
+_SPACE = re.compile(r"\s*")
 
 
 def last_boxed(text: str) -> str | None:
@@ -23,44 +27,76 @@ def last_boxed(text: str) -> str | None:
     Braces inside are balanced (`\\boxed{\\{1,2\\}}` keeps escaped `\\{` `\\}`
     as text). `\\boxed 5` (no braces, one token) is accepted as LaTeX allows.
     An unclosed `\\boxed{` (a truncated response) is not an answer.
+    Linear time in len(text) (`_last_boxed_reference` is the plain version it
+    is tested against): brace depths are one cumulative sum, and whether a
+    box closes is one look-up of the minimum depth after it.
     """
-    starts = [m.start() for cmd in _BOX_COMMANDS for m in re.finditer(re.escape(cmd), text)]
-    for start in sorted(starts, reverse=True):
-        cmd = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
-        pos = start + len(cmd)
-        if pos < len(text) and text[pos] == " ":  # `\boxed 5`
-            token = re.match(r" +([^\s$]+)", text[pos:])
+    starts = np.fromiter((m.end() for m in _BOX_START.finditer(text)), dtype=np.int64)
+    if not starts.size:
+        return None
+    n = len(text)
+    depth, suffix_min = _brace_depths(text)
+    # drop, all at once, every `\\boxed{` that never closes (a degenerate response may hold 10^5 of them)
+    brace = starts[starts < n - 1]
+    brace = brace[depth[brace] > depth[brace - 1]]  # text[pos] is an unescaped `{`
+    unclosed = brace[suffix_min[brace + 1] >= depth[brace]]
+    starts = np.setdiff1d(starts, unclosed, assume_unique=True).tolist()
+    for pos in reversed(starts):
+        if pos < n and text[pos] == " ":  # `\boxed 5`
+            token = _TOKEN.match(text, pos)
             if token:
                 return token.group(1)
             continue
-        if pos < len(text) and text[pos].isalpha():  # `\boxedfoo`: another command, not a box
+        if pos < n and text[pos].isalpha():  # `\boxedfoo`: another command, not a box
             continue
-        while pos < len(text) and text[pos].isspace():
-            pos += 1
-        if pos >= len(text) or text[pos] != "{":
+        pos = _SPACE.match(text, pos).end()
+        if pos >= n or text[pos] != "{":
             continue
-        content = _balanced(text, pos)
-        if content is not None:
-            return content.strip()
+        # the box closes iff the depth falls below its own level somewhere after its `{`
+        if pos + 1 < n and suffix_min[pos + 1] < depth[pos]:
+            close = pos + 1 + int(np.argmax(depth[pos + 1:] < depth[pos]))
+            return text[pos + 1 : close].strip()
     return None
 
 
-def _balanced(text: str, open_pos: int) -> str | None:
-    """Text between text[open_pos] == '{' and its matching '}', or None if unclosed."""
-    depth = 0
-    i = open_pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":  # escaped brace is content
-            i += 2
+def _brace_depths(text: str) -> tuple[np.ndarray, np.ndarray]:
+    """depth[i]: unescaped `{` minus `}` in text[: i + 1]; suffix_min[i]: min(depth[i:]).
+
+    A brace right after a backslash is escaped (content, not structure).
+    """
+    codes = np.frombuffer(text.encode("latin-1", "replace"), dtype=np.uint8)  # one byte per character
+    step = (codes == ord("{")).astype(np.int32) - (codes == ord("}"))
+    step[1:][codes[:-1] == ord("\\")] = 0
+    depth = np.cumsum(step, dtype=np.int32)
+    suffix_min = np.minimum.accumulate(depth[::-1])[::-1]
+    return depth, suffix_min
+
+
+def _last_boxed_reference(text: str) -> str | None:
+    """Plain quadratic-time version of `last_boxed` (each box scanned on its own), for tests."""
+    for match in reversed(list(_BOX_START.finditer(text))):
+        pos = match.end()
+        if pos < len(text) and text[pos] == " ":
+            token = _TOKEN.match(text, pos)
+            if token:
+                return token.group(1)
             continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
+        if pos < len(text) and text[pos].isalpha():
+            continue
+        pos = _SPACE.match(text, pos).end()
+        if pos >= len(text) or text[pos] != "{":
+            continue
+        depth, i = 0, pos
+        while i < len(text):
+            ch = text[i]
+            if ch == "\\" and i + 1 < len(text) and text[i + 1] in "{}":  # escaped brace is content
+                i += 2
+                continue
+            depth += ch == "{"
+            depth -= ch == "}"
             if depth == 0:
-                return text[open_pos + 1 : i]
-        i += 1
+                return text[pos + 1 : i].strip()
+            i += 1
     return None
 
 

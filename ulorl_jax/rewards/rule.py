@@ -2,13 +2,24 @@
 
 `rule_reward` is the whole rule as one pure function (extract -> quick rules
 -> math-verify). The scorer splits it: `quick_rule_reward` runs in-process
-and decides most samples (equal strings, plain numbers); only the rest go to
-`math_verify_reward` in a sandboxed worker, because math-verify can hang.
+and decides the pairs whose verdict it can prove is math-verify's (the same
+answer as the reference, two integers); the rest go to `math_verify_reward`
+in a sandboxed worker, because math-verify can hang.
+
+extraction="boxed" (the paper's rule) compares the last \\boxed{} (or the
+`answer_pattern` match); extraction="math_verify" hands the whole response (or
+the pattern's match) to math-verify's own extraction (`math_verify_response_reward`,
+always sandboxed).
 """
 
 from __future__ import annotations
 
-from ulorl_jax.rewards.equivalence import answers_equivalent, math_verify_equivalence, quick_equivalence
+from ulorl_jax.rewards.equivalence import (
+    answers_equivalent,
+    math_verify_equivalence,
+    math_verify_response_equivalence,
+    quick_equivalence,
+)
 from ulorl_jax.rewards.extract import extract_answer, last_boxed
 
 
@@ -25,19 +36,31 @@ def quick_rule_reward(answer: str, reference: str) -> float | None:
 
 
 def math_verify_reward(answer: str, reference: str) -> float:
-    """math-verify's verdict as 0/1 (run it under a timeout: rewards/sandbox.py)."""
-    import logging
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we enforce it
+    """math-verify's verdict on an extracted answer as 0/1 (run it under a timeout: rewards/sandbox.py)."""
+    _quiet_math_verify()
     return float(math_verify_equivalence(answer, reference, timeout_s=None))
 
 
-def rule_reward(text: str, reference: str, *, answer_pattern: str | None = None,
+def math_verify_response_reward(response: str, reference: str) -> float:
+    """math-verify's verdict on a whole response (its own extraction) as 0/1; sandboxed like the above."""
+    _quiet_math_verify()
+    return float(math_verify_response_equivalence(response, reference, timeout_s=None))
+
+
+def _quiet_math_verify() -> None:
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" notice: we enforce it
+
+
+def rule_reward(text: str, reference: str, *, answer_pattern: str | None = None, extraction: str = "boxed",
                 truncated: bool = False, timeout_s: int | None = 5) -> float:
     """Unsandboxed reference version of the rule: 0 if truncated or no answer, else 0/1 by equivalence."""
     if truncated:
         return 0.0
-    answer = extract_answer(text, answer_pattern)
+    answer = extract_answer(text, answer_pattern) if answer_pattern or extraction == "boxed" else text
     if answer is None:
         return 0.0
+    if extraction == "math_verify":
+        return float(math_verify_response_equivalence(answer, reference_answer(reference), timeout_s=timeout_s))
     return float(answers_equivalent(answer, reference_answer(reference), timeout_s=timeout_s))

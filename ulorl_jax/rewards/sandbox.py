@@ -253,6 +253,33 @@ class SandboxPool:
                     raise RuntimeError(f"sandbox worker did not start within {_START_TIMEOUT_S:g}s")
         return outcomes  # type: ignore[return-value]
 
+    def wait_ready(self, timeout_s: float = _START_TIMEOUT_S) -> None:
+        """Start the missing workers and block until every worker has imported its modules.
+
+        (`map` does not need this; it hands calls to workers as they become
+        ready. Use it to pay the start-up before a timed batch.)
+        """
+        if self._finalizer.alive is False:
+            raise ValueError("SandboxPool is closed")
+        while len(self._workers) < self.num_workers:
+            self._spawn()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            starting = [w for w in self._workers if not w.ready]
+            if not starting:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"sandbox workers did not start within {timeout_s:g}s")
+            for conn in multiprocessing.connection.wait([w.conn for w in starting], timeout=left):
+                worker = next(w for w in starting if w.conn is conn)
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    raise RuntimeError(f"sandbox worker failed to start (exit code {worker.process.poll()})") \
+                        from None
+                worker.ready = message[0] == "ready"
+
     def pids(self) -> list[int]:
         """Process ids of the live workers (for tests and diagnostics)."""
         return [w.process.pid for w in self._workers]

@@ -7,26 +7,32 @@ gives reward 0 and bumps a counter in `stats` (and logs a warning), and the
 batch goes on.
 
 kinds:
-- "rule": extract the final answer (`answer_pattern` regex or last
-  \\boxed{}), then equivalence. Plain numbers and equal strings are decided
-  in-process (cheap, cannot hang); the rest go to math-verify in the sandbox.
+- "rule": extraction="boxed" (default, the paper's rule): extract the final
+  answer (`answer_pattern` regex or last \\boxed{}, linear time), then
+  equivalence. Only pairs whose math-verify verdict is certain (the same
+  answer, two integers) are decided in-process; the rest go to math-verify in
+  the sandbox. extraction="math_verify": the whole response (or the pattern's
+  match) goes to math-verify's own extraction in the sandbox.
 - "custom": `custom_fn` = "package.module:function" with
   fn(prediction_text, reference, metadata) -> float, always sandboxed.
 - "verifier": a generative judge model (rewards/verifier.py), built by the
   caller and passed as `verifier=` (any object with `judge(items) -> list[bool | None]`).
   Answers equal by the cheap rules skip the judge; a failing judge gives 0s
   for its batch, counted as crashes.
-workers = 0 runs everything in this process (no hard kill: math-verify's own
-signal timeout, and a SIGALRM timer for custom functions, on the main thread only).
+workers: sandbox processes, None = the machine's cores (at least 2); 0 runs
+everything in this process (no hard kill: math-verify's own signal timeout,
+and a SIGALRM timer for custom functions, on the main thread only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import numbers
+import os
 import signal
 import threading
 from typing import Any, Sequence
@@ -38,7 +44,11 @@ from ulorl_jax.rewards.sandbox import Outcome, SandboxPool, resolve_function
 logger = logging.getLogger(__name__)
 
 REWARD_KINDS = ("rule", "verifier", "custom")
+EXTRACTIONS = ("boxed", "math_verify")
 _MATH_VERIFY_FN = "ulorl_jax.rewards.rule:math_verify_reward"
+_MATH_VERIFY_RESPONSE_FN = "ulorl_jax.rewards.rule:math_verify_response_reward"
+_MATH_VERIFY_FNS = {_MATH_VERIFY_FN: "math_verify_equivalence",
+                    _MATH_VERIFY_RESPONSE_FN: "math_verify_response_equivalence"}
 _LOGGED_PER_KIND = 10
 _VERDICT_CACHE_SIZE = 100_000  # warnings per event kind before going quiet (counters keep counting)
 
@@ -53,19 +63,30 @@ class RewardConfig:
     answer_pattern: str | None = None  # regex; group 1 (or whole match) of the last match is the answer
     timeout_s: float = 5.0  # per reward call
     custom_fn: str | None = None  # "package.module:function" when kind == "custom"
-    workers: int = 2  # sandbox processes (0: run in-process)
+    workers: int | None = None  # sandbox processes; None: the machine's cores (>= 2); 0: run in-process
+    extraction: str = "boxed"  # kind "rule": "boxed" (last \\boxed{} / answer_pattern) | "math_verify"
 
     def validate(self) -> None:
         if self.kind not in REWARD_KINDS:
             raise ValueError(f"reward kind {self.kind!r} is not one of {REWARD_KINDS}")
+        if self.extraction not in EXTRACTIONS:
+            raise ValueError(f"reward extraction {self.extraction!r} is not one of {EXTRACTIONS}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
-        if self.workers < 0:
+        if self.workers is not None and self.workers < 0:
             raise ValueError(f"reward workers must be >= 0, got {self.workers}")
         if self.kind == "custom" and not self.custom_fn:
             raise ValueError("reward kind 'custom' needs custom_fn='package.module:function'")
         if self.answer_pattern is not None:
             compile_answer_pattern(self.answer_pattern)
+
+    @property
+    def num_workers(self) -> int:
+        """`workers`, with None resolved to the cores this process may use (at least 2)."""
+        if self.workers is not None:
+            return self.workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(2, cores)
 
 
 @dataclasses.dataclass
@@ -142,6 +163,12 @@ class RewardScorer:
             self._score_verifier(batch, todo, rewards)
         return rewards
 
+    def wait_ready(self) -> None:
+        """Block until the sandbox workers (once started by a first `score`) have imported their modules, e.g.
+        a worker restarting after a timeout: pays start-up before a timed batch."""
+        if self._pool is not None:
+            self._pool.wait_ready()
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
@@ -155,31 +182,38 @@ class RewardScorer:
 
     # -- kinds ----------------------------------------------------------
     def _score_rule(self, batch, todo: list[int], rewards: list[float]) -> None:
-        hard: dict[tuple[str, str], list[int]] = {}  # math-verify calls, deduplicated
+        whole = self.config.extraction == "math_verify"  # math-verify extracts from the response itself
+        pattern = self.config.answer_pattern
+        hard: dict[tuple[str, str], list[int]] = {}  # math-verify calls by verdict key, deduplicated
+        calls_by_key: dict[tuple[str, str], tuple[str, str]] = {}
         for i in todo:
-            answer = extract_answer(batch[i][0], self.config.answer_pattern)
+            answer = batch[i][0] if whole and pattern is None else extract_answer(batch[i][0], pattern)
             if answer is None:
                 self.stats.no_answer += 1
                 continue
             reference = reference_answer(batch[i][1])
-            quick = quick_rule_reward(answer, reference)
+            # a long answer (a whole response) is remembered by its digest: the verdict cache is kept
+            key = (_digest(answer) if whole or len(answer) > 256 else answer, reference)
+            quick = None if whole else quick_rule_reward(answer, reference)
             if quick is None:
-                quick = self._verdicts.get((answer, reference))
+                quick = self._verdicts.get(key)
             if quick is not None:
                 self.stats.quick += 1
                 rewards[i] = quick
             else:
-                hard.setdefault((answer, reference), []).append(i)
-        calls = list(hard)
-        firsts = [hard[args][0] for args in calls]
-        statuses = self._run(_MATH_VERIFY_FN, calls, firsts, rewards, batch)
+                hard.setdefault(key, []).append(i)
+                calls_by_key[key] = (answer, reference)
+        keys = list(hard)
+        firsts = [hard[key][0] for key in keys]
+        fn = _MATH_VERIFY_RESPONSE_FN if whole else _MATH_VERIFY_FN
+        statuses = self._run(fn, [calls_by_key[key] for key in keys], firsts, rewards, batch)
         if len(self._verdicts) > _VERDICT_CACHE_SIZE:
             self._verdicts.clear()
-        for args, first, status in zip(calls, firsts, statuses):
-            for i in hard[args][1:]:  # duplicates share the verdict (and its 0 on failure)
+        for key, first, status in zip(keys, firsts, statuses):
+            for i in hard[key][1:]:  # duplicates share the verdict (and its 0 on failure)
                 rewards[i] = rewards[first]
             if status == "ok":  # only real verdicts are remembered, never a timeout's 0
-                self._verdicts[args] = rewards[first]
+                self._verdicts[key] = rewards[first]
 
     def _score_verifier(self, batch, todo: list[int], rewards: list[float]) -> None:
         """Extract the final answer; equal by the cheap rules -> 1 without a judge call; else ask the judge."""
@@ -222,11 +256,11 @@ class RewardScorer:
         if not calls:
             return []
         self.stats.sandboxed += len(calls)
-        if self.config.workers == 0:
+        if self.config.num_workers == 0:
             outcomes = [self._run_inline(fn_path, args) for args in calls]
         else:
             if self._pool is None:
-                self._pool = SandboxPool(self.config.workers, preload=_preload_for(fn_path))
+                self._pool = SandboxPool(self.config.num_workers, preload=_preload_for(fn_path))
             outcomes = self._pool.map(fn_path, calls, self.config.timeout_s)
         for i, outcome in zip(indices, outcomes):
             rewards[i] = self._value(outcome, i, batch)
@@ -234,12 +268,13 @@ class RewardScorer:
 
     def _run_inline(self, fn_path: str, args: tuple) -> Outcome:
         try:
-            if fn_path == _MATH_VERIFY_FN:
-                from ulorl_jax.rewards.equivalence import math_verify_equivalence
+            if fn_path in _MATH_VERIFY_FNS:
+                from ulorl_jax.rewards import equivalence
 
                 on_main = threading.current_thread() is threading.main_thread()
                 seconds = max(1, math.ceil(self.config.timeout_s)) if on_main else None
-                return Outcome("ok", float(math_verify_equivalence(*args, timeout_s=seconds)))
+                verdict = getattr(equivalence, _MATH_VERIFY_FNS[fn_path])(*args, timeout_s=seconds)
+                return Outcome("ok", float(verdict))
             with _alarm(self.config.timeout_s):
                 return Outcome("ok", self._custom(*args))
         except _InlineTimeout:
@@ -273,9 +308,13 @@ class RewardScorer:
                            if seen + 1 == _LOGGED_PER_KIND else "")
 
 
+def _digest(text: str) -> str:
+    return "blake2b:" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def _preload_for(fn_path: str) -> tuple[str, ...]:
     module = fn_path.partition(":")[0]
-    return ("math_verify", module) if fn_path == _MATH_VERIFY_FN else (module,)
+    return ("math_verify", module) if fn_path in _MATH_VERIFY_FNS else (module,)
 
 
 class _InlineTimeout(Exception):
