@@ -117,3 +117,7 @@ def test_ulorl_eval_on_a_jsonl_benchmark(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["eval_samples"] == 3 * 2
     assert 0.0 <= result["eval_accuracy"] <= 1.0 and result["eval_length_mean"] > 0
+    # pass@k for k = 1, 2 (up to --k): pass@1 is avg@k when every problem has k samples; pass@2 >= pass@1.
+    assert set(k for k in result if k.startswith("eval_pass_at_")) == {"eval_pass_at_1", "eval_pass_at_2"}
+    assert result["eval_pass_at_1"] == pytest.approx(result["eval_accuracy"])
+    assert result["eval_pass_at_1"] <= result["eval_pass_at_2"] <= 1.0

@@ -1,4 +1,4 @@
-"""`ulorl` command line: train, eval, demo, generate, serve, data, plot, convert, bench.
+"""`ulorl` command line: train, eval, demo, generate, serve, data, plot, convert, export, bench.
 
 Each subcommand has its own `--help`. Every `ulorl bench ...` prints a table
 and, with `--json`, one JSON object as the last line of stdout.
@@ -10,9 +10,11 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _convert(args) -> int:
+    from ulorl_jax.model_source import copy_tokenizer_files
     from ulorl_jax.models.hf import from_pretrained, save_pretrained
     from ulorl_jax.models.native import load_native, save_native
 
@@ -24,8 +26,30 @@ def _convert(args) -> int:
         runtime = {"param_dtype": args.dtype, "dtype": args.dtype} if args.dtype else {}
         model = load_native(args.src, **runtime)
         save_pretrained(model, args.dst, expert_layout=args.expert_layout)
+    copied = copy_tokenizer_files(args.src, args.dst)
     print(f"converted {args.src} -> {args.dst} ({args.direction}, {model.config.model_type}, "
-          f"{model.config.param_dtype}) in {time.perf_counter() - start:.1f}s")
+          f"{model.config.param_dtype}; {'tokenizer copied' if copied else 'no tokenizer files in the source'}) "
+          f"in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _export(args) -> int:
+    from ulorl_jax import model_source
+    from ulorl_jax.models.hf import save_pretrained
+
+    start = time.perf_counter()
+    source = model_source.resolve(args.src, args.step)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty: choose a new output folder (nothing is overwritten)")
+    loaded = model_source.load(source, dtype=args.dtype)
+    save_pretrained(loaded.model, out, expert_layout=args.expert_layout)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(out)
+    print(f"exported {loaded.source.describe()} -> {out} (Hugging Face folder: {loaded.model.config.model_type}, "
+          f"{loaded.model.config.param_dtype}, "
+          f"{'with its tokenizer' if loaded.tokenizer is not None else 'no tokenizer: the source has none'}) "
+          f"in {time.perf_counter() - start:.1f}s")
     return 0
 
 
@@ -67,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--expert-layout", choices=["per_expert", "fused"], default=None,
                          help="ulorl-to-hf MoE tensor layout (default: the layout the model came from)")
     convert.set_defaults(func=_convert)
+
+    export = sub.add_parser(
+        "export", help="write a run's checkpoint (or any model folder) as a Hugging Face folder",
+        description="SRC: a run folder (its latest checkpoint), RUN/checkpoints/STEP, a ulorl or an HF model "
+                    "folder. OUT gets config.json (with architectures), safetensors and the tokenizer files, "
+                    "so transformers' AutoModelForCausalLM and AutoTokenizer load it.")
+    export.add_argument("src", help="run folder, RUN/checkpoints/STEP, ulorl or HF model folder")
+    export.add_argument("out", help="output folder (created; must be new or empty)")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step of a run folder (default: latest)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="parameter dtype to write (default: as trained / stored)")
+    export.add_argument("--expert-layout", choices=["per_expert", "fused"], default=None,
+                        help="MoE tensor layout (default: per_expert, the layout transformers writes)")
+    export.set_defaults(func=_export)
 
     from ulorl_jax.decode import generate  # `ulorl generate` lives with the engine
 

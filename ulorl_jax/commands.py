@@ -1,7 +1,7 @@
 """`ulorl train`, `ulorl eval` and `ulorl demo`: the trainer from the command line.
 
     ulorl train --config FILE --run-dir DIR [--resume] [key=value ...]
-    ulorl eval  --config FILE [--run-dir DIR | --model DIR] [--data FILE.jsonl] [key=value ...]
+    ulorl eval  [--run-dir DIR [--step S] | --model DIR] [--config FILE] [--data FILE.jsonl] [--k K] [key=value ...]
     ulorl demo  [--quick] [--run-dir DIR] [key=value ...]
 
 `ulorl demo` is `ulorl train --config tiny_cpu` with a supervised warm start,
@@ -15,8 +15,8 @@ import contextlib
 import json
 import logging
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 OVERRIDES_HELP = "config overrides as dotted key=value, e.g. algorithm.mask_mode=none trainer.total_steps=20"
 
@@ -92,32 +92,95 @@ def _warm_start(trainer, cfg) -> list[dict]:
 
 
 def _eval(args) -> int:
-    from ulorl_jax.rl.trainer import Trainer
+    from ulorl_jax import model_source
+    from ulorl_jax.rl import evaluation
 
     _quiet_libraries()
-    overrides = list(args.overrides)
-    if args.model:
-        overrides.append(f"model.path={args.model}")
-    if args.data:
-        overrides += [f"data.eval_files=[{args.data}]", "data.synthetic=null"]
-        if not any(o.startswith("data.train_files") for o in overrides):  # the trainer wants a prompt stream
-            overrides.append(f"data.train_files=[{args.data}]")
-    cfg = _load(args.config, overrides)
-    with tempfile.TemporaryDirectory(prefix="ulorl-eval-") as scratch:  # a run folder only when none is given
-        trainer = Trainer(cfg, args.run_dir or scratch, resume=bool(args.run_dir))
-        try:
-            start = time.perf_counter()
-            result = trainer.evaluate(k=args.k)
-            result["seconds"] = time.perf_counter() - start
-        finally:
-            trainer.close()
-    if not result:
-        raise ValueError("nothing to evaluate: give --data FILE.jsonl or data.eval_files (or data.synthetic)")
-    print(f"avg@{args.k or cfg.eval.k} accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples; "
+    if args.run_dir and args.model:
+        raise ValueError("give --run-dir or --model, not both (--model also takes a run folder)")
+    where = args.run_dir or args.model
+    if args.step is not None and where is None:
+        raise ValueError("--step picks a checkpoint of --run-dir (or of a run folder given as --model)")
+    source = model_source.resolve(where, args.step) if where else None
+    if source is not None and source.kind == "run" and args.config is None:
+        cfg = model_source.run_config(source.path, args.overrides)  # the run's own config
+    else:  # a model folder: the config (default: schema defaults) names it as its model
+        implied = [f"model.path={source.path}"] if source is not None and source.kind != "run" else []
+        if args.config is None and args.data:  # schema defaults have no training data, which eval never uses
+            implied.append(f"data.train_files=[{args.data}]")
+        cfg = _load(args.config, implied + list(args.overrides))
+    if source is None:  # the config's model: model.path, else a fresh model from model.arch
+        loaded = _config_model(cfg)
+    else:
+        loaded = model_source.load(source, dtype=None if source.kind == "run" else cfg.model.param_dtype,
+                                   overrides=args.overrides if args.config is None else None)
+    if loaded.tokenizer is None:
+        raise ValueError(f"{loaded.source.describe()} has no tokenizer files ("
+                         f"{', '.join(model_source.TOKENIZER_FILES)}): set model.tokenizer=DIR")
+    prompts = _eval_prompts(cfg, args.data, loaded.tokenizer)
+    plan = evaluation.plan_eval(cfg, loaded.model.config, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                                max_memory_gb=args.max_memory)
+    for note in plan.notes:
+        print(note)
+    data_name = args.data or ", ".join(cfg.data.eval_files) or "the synthetic task's held-out split"
+    print(f"evaluating {loaded.source.describe()} on {len(prompts)} prompts ({data_name}), k={plan.k}, "
+          f"up to {plan.max_new_tokens} new tokens, {plan.slots} decode slots "
+          f"(KV cache {plan.kv_cache_bytes / 2**20:.1f} MiB)")
+    start = time.perf_counter()
+    result = evaluation.run_eval(cfg, loaded, prompts, plan)
+    result["seconds"] = time.perf_counter() - start
+    result |= {"model": loaded.source.describe(), "step": loaded.source.step, "data": data_name, "k": plan.k,
+               "max_new_tokens": plan.max_new_tokens}
+    print(f"avg@{plan.k} accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples; "
           f"mean length {result['eval_length_mean']:.1f}; truncated {result['eval_truncated_fraction']:.3f}")
+    passes = [f"pass@{key.rsplit('_', 1)[1]} {value:.4f}" for key, value in result.items()
+              if key.startswith("eval_pass_at_")]
+    if passes:
+        print("unbiased " + ", ".join(passes))
+    out = _eval_output_path(args, loaded.source)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"results: {out}")
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _config_model(cfg):
+    """`ulorl eval --config C` without --model / --run-dir: C's model.path, or a fresh model from model.arch."""
+    from ulorl_jax import model_source
+    from ulorl_jax.rl.trainer import build_model, build_tokenizer
+
+    if cfg.model.path is not None:
+        return model_source.load(model_source.resolve(cfg.model.path), dtype=cfg.model.param_dtype)
+    tokenizer = build_tokenizer(cfg)
+    source = model_source.ModelSource("config", Path("model.arch"))
+    return model_source.LoadedModel(build_model(cfg, tokenizer, seed=cfg.trainer.seed), tokenizer, source, cfg)
+
+
+def _eval_prompts(cfg, data: str | None, tokenizer) -> list:
+    """--data, else data.eval_files, else the synthetic task's held-out split."""
+    from ulorl_jax.data.sources import SyntheticTask, eval_prompts, prompt_file_stream
+
+    files = [data] if data else list(cfg.data.eval_files)
+    if files:
+        stream = prompt_file_stream(files, cfg.data, tokenizer, cfg.data.max_prompt_len, shuffle=False)
+        return stream.take(len(stream))
+    if cfg.data.synthetic is not None:
+        task = SyntheticTask.from_options(cfg.data.synthetic)
+        return eval_prompts(task.eval, tokenizer, cfg.data.apply_chat_template)
+    raise ValueError("nothing to evaluate: give --data FILE.jsonl or data.eval_files (or data.synthetic)")
+
+
+def _eval_output_path(args, source) -> Path | None:
+    """--out, else RUN/eval/step_<S>_<data>_k<K>.json for a run (the run's own files are left alone)."""
+    if args.out:
+        return Path(args.out)
+    if source.kind != "run":
+        return None
+    data = Path(args.data).stem if args.data else "eval"
+    return source.path / "eval" / f"step_{source.step}_{data}_k{args.k or 'cfg'}.json"
 
 
 # ---------------------------------------------------------------------------
@@ -157,15 +220,31 @@ def add_parsers(sub) -> None:
     train.set_defaults(func=_train)
 
     ev = sub.add_parser(
-        "eval", help="avg@k accuracy on a jsonl benchmark (eval sampling: T 0.85, top-k 20, top-p 0.95)",
+        "eval", help="avg@k and pass@k accuracy on a jsonl benchmark (eval sampling: T 0.85, top-k 20, top-p 0.95)",
         description="Samples k answers per prompt with the eval sampling settings (eval.*) and reports avg@k "
-                    "accuracy, mean response length and truncation rate. Weights: the latest checkpoint of "
-                    "--run-dir, or --model (HF or ulorl folder), or the config's model.")
-    ev.add_argument("--config", default=None, help="YAML file or shipped config name (default: schema defaults)")
-    ev.add_argument("--run-dir", default=None, help="evaluate this run's latest checkpoint")
-    ev.add_argument("--model", default=None, help="HF or ulorl model folder (sets model.path)")
-    ev.add_argument("--data", default=None, help="jsonl with `prompt` and `answer` fields (sets data.eval_files)")
+                    "accuracy, the unbiased pass@k (k = 1, 2, 4, 8 up to --k), mean response length and "
+                    "truncation rate. Weights: a checkpoint of --run-dir (default latest, named in the output), "
+                    "or --model (HF or ulorl folder, run folder, checkpoint), or the config's model. Nothing in "
+                    "the run folder is changed; results go to RUN/eval/ (or --out).")
+    ev.add_argument("--config", default=None,
+                    help="YAML file or shipped config name (default: the run's config.yaml with --run-dir, "
+                         "else schema defaults)")
+    ev.add_argument("--run-dir", default=None, help="evaluate a checkpoint of this run (default: its latest)")
+    ev.add_argument("--step", type=int, default=None, help="the checkpoint step of --run-dir (default: latest)")
+    ev.add_argument("--model", default=None,
+                    help="HF or ulorl model folder, a run folder or RUN/checkpoints/STEP")
+    ev.add_argument("--data", default=None,
+                    help="jsonl with `prompt` and `answer` fields (data.prompt_key / data.answer_key); default: "
+                         "data.eval_files, else the synthetic task's held-out split")
     ev.add_argument("--k", type=int, default=None, help="samples per prompt (default eval.k)")
+    ev.add_argument("--max-new-tokens", type=int, default=None,
+                    help="generation length (default eval.max_new_tokens, else rollout.global_max_len, capped to "
+                         "the model's positions minus the longest prompt)")
+    ev.add_argument("--max-memory", type=float, default=None, metavar="GB",
+                    help="refuse to start when the decode KV cache needs more (default: the device's free "
+                         "memory, or 80%% of host RAM on CPU)")
+    ev.add_argument("--out", default=None,
+                    help="write the results here as JSON (default with a run: RUN/eval/step_S_DATA_kK.json)")
     ev.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     ev.set_defaults(func=_eval)

@@ -84,6 +84,7 @@ def _summary(cfg, records, before, after, sft_s, rl_s, wall_s, task_lengths) -> 
         "entropy_first": next((r["entropy"] for r in records if "entropy" in r), None),
         "entropy_last_quarter": _tail_mean(records, "entropy"),
         "eval_entropy_before": before.get("eval_entropy"), "eval_entropy_after": after.get("eval_entropy"),
+        "pass_at_k_before": _pass_at_k(before), "pass_at_k_after": _pass_at_k(after),
         "masked_fraction_last_quarter": _tail_mean(records, "masked_fraction"),
         "reward_first_quarter": float(np.mean([r["reward_mean"] for r in records[:max(1, len(records) // 4)]
                                                if r.get("reward_mean") is not None] or [np.nan])),
@@ -101,6 +102,11 @@ def _summary(cfg, records, before, after, sft_s, rl_s, wall_s, task_lengths) -> 
     }
 
 
+def _pass_at_k(result: dict) -> dict[str, float]:
+    """{"1": pass@1, "2": ..., ...} from an eval result's eval_pass_at_K keys."""
+    return {key.removeprefix("eval_pass_at_"): v for key, v in result.items() if key.startswith("eval_pass_at_")}
+
+
 def _fmt(x, spec=".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -110,6 +116,9 @@ def _print_summary(s: dict, run_dir: Path, plots) -> None:
     print("== ulorl demo summary ==")
     print(f"held-out accuracy (avg@{s['eval_k']}, {s['eval_prompts']} prompts): "
           f"{_fmt(s['accuracy_before'])} after warm start -> {_fmt(s['accuracy_after'])} after RL")
+    if s["pass_at_k_after"]:
+        print("held-out pass@k (unbiased): " + ", ".join(
+            f"pass@{k} {_fmt(s['pass_at_k_before'].get(k))} -> {_fmt(v)}" for k, v in s["pass_at_k_after"].items()))
     print(f"train reward: {_fmt(s['reward_first_quarter'])} (first quarter of steps) -> "
           f"{_fmt(s['reward_last_quarter'])} (last quarter)")
     print(f"entropy (mean per-token, {s['mask_mode']}): {_fmt(s['entropy_first'])} at the first update, "

@@ -8,12 +8,15 @@ prompts the uninterrupted run would have drawn.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 import numpy as np
 
 from ulorl_jax.data.synthetic import SyntheticConfig, SyntheticProblem, make_splits, noisy_trace
 from ulorl_jax.decode.segment import PromptItem
+
+log = logging.getLogger(__name__)
 
 # Keys of `data.synthetic` that are not SyntheticConfig fields.
 _SYNTHETIC_RUN_KEYS = {"num_train": 512, "num_eval": 64, "seed": 0, "noise_p": 0.1, "task": "arithmetic"}
@@ -100,3 +103,26 @@ class ProblemStream:
 def eval_prompts(problems: Sequence[SyntheticProblem], tokenizer, apply_chat_template: bool) -> list[PromptItem]:
     return [PromptItem(i, encode_prompt(tokenizer, p.prompt, apply_chat_template),
                        {"answer": p.answer, "prompt": p.prompt}) for i, p in enumerate(problems)]
+
+
+def prompt_file_stream(files: Sequence[str], options: Any, tokenizer, max_prompt_len: int | None, *,
+                       shuffle: bool):
+    """A PromptStream over the rows of `files` (jsonl / parquet / datasets folders). `options`: the run
+    config's `data` section (prompt_key, answer_key, on_bad_row, apply_chat_template, shuffle_seed)."""
+    from ulorl_jax.data.prompts import PromptDataConfig, PromptStream, load_prompts
+
+    records, bad = [], []
+    for path in files:
+        config = PromptDataConfig(path=path, prompt_key=options.prompt_key, answer_key=options.answer_key,
+                                  max_prompt_len=max_prompt_len, on_bad_row=options.on_bad_row,
+                                  use_chat_template=options.apply_chat_template, shuffle=shuffle,
+                                  seed=options.shuffle_seed)
+        config.validate()
+        got, rejected = load_prompts(config, tokenizer)
+        records += got
+        bad += rejected
+    if bad:
+        log.warning("skipped %d malformed prompt rows (data.on_bad_row=skip), e.g. %s", len(bad), bad[0])
+    if not records:
+        raise ValueError(f"no usable prompts in {list(files)}")
+    return PromptStream(records, seed=options.shuffle_seed, shuffle=shuffle, bad_rows=bad)

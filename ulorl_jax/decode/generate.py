@@ -13,9 +13,8 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from ulorl_jax import model_source
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,14 +42,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.set_defaults(func=run_cli)
     return p
-
-
-def load_tokenizer(model_dir) -> Any:
-    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        return None
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def eos_ids(config, tokenizer) -> tuple[int, ...]:
@@ -84,7 +75,7 @@ def load_prompts(path, tokenizer) -> list:
         else:
             if tokenizer is None:
                 raise ValueError(f"{path}:{lineno}: text `prompt` needs a tokenizer, and the model folder has "
-                                 f"none ({', '.join(TOKENIZER_FILES)}); give `prompt_ids` instead")
+                                 f"none ({', '.join(model_source.TOKENIZER_FILES)}); give `prompt_ids` instead")
             if getattr(tokenizer, "chat_template", None):
                 ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
                                                     add_generation_prompt=True, tokenize=True)
@@ -107,20 +98,18 @@ def run_cli(args) -> int:
     from ulorl_jax.decode.engine import PolicyEngine
     from ulorl_jax.decode.sampling import SamplingParams
     from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
-    from ulorl_jax.models.native import load_any
 
     for name in ("max_new_tokens", "segments", "samples_per_prompt", "max_concurrent", "steps_per_call"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_new_tokens % args.segments:
         raise ValueError(f"--segments {args.segments} does not divide --max-new-tokens {args.max_new_tokens}")
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"--model {args.model}: no such folder")
+    source = model_source.resolve(args.model)  # HF / ulorl folder, run folder or checkpoint
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     start = time.perf_counter()
-    tokenizer = load_tokenizer(args.model)
+    loaded = model_source.load(source, dtype=args.dtype)
+    tokenizer, model = loaded.tokenizer, loaded.model
     prompts = load_prompts(args.prompts, tokenizer)
-    model = load_any(args.model, dtype=args.dtype)
     eos = eos_ids(model.config, tokenizer)
     max_prompt = max(len(p.prompt_ids) for p in prompts)
     cfg = RolloutConfig(global_max_len=args.max_new_tokens, num_segments=args.segments,

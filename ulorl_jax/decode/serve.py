@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 
@@ -107,9 +106,9 @@ class Server:
 
 def _build_engine(args):
     from ulorl_jax.decode.engine import PolicyEngine
-    from ulorl_jax.decode.generate import eos_ids, load_tokenizer
+    from ulorl_jax import model_source
+    from ulorl_jax.decode.generate import eos_ids
     from ulorl_jax.decode.sampling import SamplingParams
-    from ulorl_jax.models.native import load_any
 
     for name in ("max_concurrent_decodes", "max_prefill_length", "max_cache_len"):
         if getattr(args, name) < 1:
@@ -120,11 +119,9 @@ def _build_engine(args):
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_requests < 0 or args.shutdown_after < 0:
         raise ValueError("--max-requests and --shutdown-after must be >= 0")
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"--model {args.model}: no such folder")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    tokenizer = load_tokenizer(args.model)
-    model = load_any(args.model, dtype=args.dtype)
+    loaded = model_source.load(model_source.resolve(args.model), dtype=args.dtype)
+    tokenizer, model = loaded.tokenizer, loaded.model
     eos = tuple(args.eos_token_id) if args.eos_token_id else eos_ids(model.config, tokenizer)
     return PolicyEngine(model, max_concurrent_decodes=args.max_concurrent_decodes,
                         max_prefill_length=args.max_prefill_length, max_cache_len=args.max_cache_len,

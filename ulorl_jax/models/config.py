@@ -226,6 +226,8 @@ class ModelConfig:
                 router_aux_loss_coef=self.router_aux_loss_coef,
             )
         cfg.dtype = self.param_dtype
+        # AutoModelForCausalLM picks the class by model_type; other tools (vLLM, SGLang, the hub) read this.
+        cfg.architectures = ["Qwen3ForCausalLM" if self.model_type == "qwen3" else "Qwen3MoeForCausalLM"]
         return cfg
 
 

@@ -40,17 +40,18 @@ import numpy as np
 
 from ulorl_jax.checkpoint import CheckpointError, TrainCheckpointer
 from ulorl_jax.config import RunConfig, config_to_yaml
-from ulorl_jax.data.sources import ProblemStream, SyntheticTask, eval_prompts
+from ulorl_jax.data.sources import ProblemStream, SyntheticTask, eval_prompts, prompt_file_stream
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.jetstream_backend import make_segment_rollout
 from ulorl_jax.decode.sampling import SamplingParams
-from ulorl_jax.decode.segment import RolloutConfig, Sample, SegmentRollout
+from ulorl_jax.decode.segment import RolloutConfig, Sample
 from ulorl_jax.distributed import DistributedRollout, local_replica
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
 from ulorl_jax.rl.advantages import dynamic_sampling_report, grpo_advantages
 from ulorl_jax.rl.learner import Learner, LearnerConfig
 from ulorl_jax.rl.packing import TrainSample
+from ulorl_jax.rl.evaluation import evaluate, score_samples
 from ulorl_jax.sharding import MeshConfig, make_mesh
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,12 @@ def learner_config(cfg: RunConfig) -> LearnerConfig:
         temperature=r.temperature if r.temperature > 0 else 1.0)
 
 
+def build_scorer(cfg: RunConfig) -> RewardScorer:
+    r = cfg.reward
+    return RewardScorer(RewardConfig(kind=r.kind, answer_pattern=r.answer_pattern, timeout_s=r.timeout_s,
+                                     custom_fn=r.custom_fn, workers=r.workers, extraction=r.extraction))
+
+
 def sampling_params(cfg: RunConfig) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
@@ -188,43 +195,6 @@ def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
 # ---------------------------------------------------------------------------
 # Held-out evaluation (avg@k)
 # ---------------------------------------------------------------------------
-
-
-def evaluate(engine: PolicyEngine, params, prompts, scorer: RewardScorer, *, k: int, max_new_tokens: int,
-             max_prompt_len: int, sampling: SamplingParams, tokenizer, seed: int,
-             entropy_fn: Callable[[list[TrainSample]], float] | None = None) -> dict[str, float]:
-    """avg@k accuracy on `prompts` (PromptItems with metadata["answer"]), mean length, truncation rate;
-    with `entropy_fn` (e.g. `Learner.mean_entropy`) also the policy's mean token entropy on its own
-    held-out samples ("eval_entropy": fixed prompts, so it tracks the policy rather than the batch mix)."""
-    rollout = SegmentRollout(engine, RolloutConfig(global_max_len=max_new_tokens, num_segments=1,
-                                                   samples_per_prompt=k, max_prompt_len=max_prompt_len,
-                                                   eos_token_ids=engine.eos_token_ids, sampling=sampling))
-    report = rollout.step(params, prompts, policy_version=-1, rng=jax.random.PRNGKey(seed))
-    ended = report.ended
-    rewards = score_samples(ended, scorer, tokenizer)
-    lengths = [len(s.response_ids) for s in ended]
-    extra = {}
-    if entropy_fn is not None and ended:
-        extra["eval_entropy"] = entropy_fn([TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                                        advantage=0.0, reward=0.0) for s in ended])
-    return extra | {"eval_accuracy": float(np.mean(rewards)) if rewards else 0.0,
-            "eval_length_mean": float(np.mean(lengths)) if lengths else 0.0,
-            "eval_truncated_fraction": float(np.mean([s.finish_reason == "length" for s in ended])) if ended else 0.0,
-            "eval_samples": len(ended)}
-
-
-def response_text(sample: Sample, tokenizer) -> str:
-    return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-
-
-def score_samples(samples: list[Sample], scorer: RewardScorer, tokenizer) -> list[float]:
-    """Rewards in {0, 1}; stored in each sample's metadata["reward"] so the pools carry them."""
-    batch = [(response_text(s, tokenizer), str(s.metadata.get("answer", "")), s.finish_reason == "length",
-              s.metadata) for s in samples]
-    rewards = scorer.score(batch) if batch else []
-    for s, r in zip(samples, rewards):
-        s.metadata["reward"] = float(r)
-    return rewards
 
 
 # ---------------------------------------------------------------------------
@@ -287,8 +257,7 @@ class Trainer:
         self.is_primary = jax.process_index() == 0
         if self.process_count > 1:  # each process decodes its share of the prompts; ended samples are gathered
             self.rollout = DistributedRollout(self.rollout)
-        self.scorer = RewardScorer(RewardConfig(kind=cfg.reward.kind, answer_pattern=cfg.reward.answer_pattern,
-                                                timeout_s=cfg.reward.timeout_s, custom_fn=cfg.reward.custom_fn))
+        self.scorer = build_scorer(cfg)
         self._build_data()
         self.step = 0
         self.policy_version = 0
@@ -338,23 +307,7 @@ class Trainer:
         self.eval_set = eval_prompts(self.task.eval, self.tokenizer, cfg.data.apply_chat_template)
 
     def _prompt_stream(self, files: list[str], shuffle: bool):
-        from ulorl_jax.data.prompts import PromptDataConfig, PromptStream, load_prompts
-
-        d = self.cfg.data
-        records, bad = [], []
-        for path in files:
-            config = PromptDataConfig(path=path, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                      max_prompt_len=self.max_prompt_len, on_bad_row=d.on_bad_row,
-                                      use_chat_template=d.apply_chat_template, shuffle=shuffle, seed=d.shuffle_seed)
-            config.validate()
-            got, rejected = load_prompts(config, self.tokenizer)
-            records += got
-            bad += rejected
-        if bad:
-            log.warning("skipped %d malformed prompt rows (data.on_bad_row=skip), e.g. %s", len(bad), bad[0])
-        if not records:
-            raise ValueError(f"no usable prompts in {files}")
-        return PromptStream(records, seed=d.shuffle_seed, shuffle=shuffle, bad_rows=bad)
+        return prompt_file_stream(files, self.cfg.data, self.tokenizer, self.max_prompt_len, shuffle=shuffle)
 
     # -- supervised warm start (the demo's "sometimes wrong" traces) -------------------
 
