@@ -80,9 +80,13 @@ def test_too_many_steps_without_trainable_groups_stops_clearly(tmp_path):
                       "rollout.num_segments=1", "checkpoint.save_every=0")
     trainer = Trainer(cfg, tmp_path / "run")
     try:
-        with pytest.raises(TrainingError, match="consecutive steps without a trainable group"):
+        with pytest.raises(TrainingError, match="2 consecutive steps trained nothing") as err:
             for _ in range(4):
                 trainer.train_step()
+        # the message gives the reward distribution of the dropped groups and what to try
+        message = str(err.value)
+        assert "16 samples ended with mean reward 0.000" in message  # 2 steps x 2 prompts x 4 samples
+        assert "4 complete groups as all wrong" in message and "warm start" in message
     finally:
         trainer.close()
 

@@ -66,7 +66,17 @@ def _train(args) -> int:
     finally:
         trainer.close()
     if trainer.is_primary:
-        print(f"ulorl train: {trainer.step} steps done; run folder {args.run_dir}")
+        from ulorl_jax.metrics import read_metrics
+
+        records = read_metrics(trainer.run_dir / "metrics.jsonl")
+        trained = sum(int(r.get("trained_samples", 0)) for r in records)
+        updated = sum(1 for r in records if r.get("trained_samples"))
+        print(f"ulorl train: {trainer.step} steps done; {trained} samples trained in {updated} of {len(records)} "
+              f"logged steps; run folder {args.run_dir}")
+        if records and not trained:
+            print("warning: nothing was trained: every complete group had equal rewards (see reward_mean and "
+                  "groups_dropped_* in metrics.jsonl); a policy that never (or always) earns the reward needs other data "
+                  "or a warm start", file=sys.stderr)
     return 0
 
 

@@ -29,6 +29,7 @@ resumed run continues exactly as the uninterrupted one would have.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -264,6 +265,7 @@ class Trainer:
         self.ready_groups: list[list[Sample]] = []  # kept by dynamic sampling, waiting for an update
         self.last_trained_groups: list[list[Sample]] = []  # for inspection (tests, debugging)
         self.consecutive_skips = 0
+        self._skipped_tally: collections.Counter = collections.Counter()  # rewards of the steps that trained nothing
         self.consecutive_nonfinite = 0  # steps in a row whose every learner update was skipped (non-finite)
         self.nonfinite_updates_total = 0
         self.base_key = jax.random.PRNGKey(t.seed)
@@ -416,6 +418,7 @@ class Trainer:
             if learn["skipped"] < learn["updates"]:  # the weights changed
                 self.policy_version += 1
             self.consecutive_skips = 0
+            self._skipped_tally.clear()
             metrics.update(learn)
             metrics.update(self._nonfinite_guard(learn))
             metrics["trained_samples"] = len(samples)
@@ -428,10 +431,12 @@ class Trainer:
         else:
             self.consecutive_skips += 1
             metrics["trained_samples"] = 0
+            for key in ("dropped_all_wrong", "dropped_all_correct", "dropped_other"):
+                self._skipped_tally[key] += acc[key]
+            self._skipped_tally["ended"] += len(acc["rewards"])
+            self._skipped_tally["reward_sum"] += float(np.sum(acc["rewards"])) if acc["rewards"] else 0.0
             if self.consecutive_skips > t.max_consecutive_skips:
-                raise TrainingError(
-                    f"{self.consecutive_skips} consecutive steps without a trainable group (every complete group "
-                    f"had equal rewards, or none completed); trainer.max_consecutive_skips={t.max_consecutive_skips}")
+                raise TrainingError(self._nothing_trained_message())
         # Weight sync: the engine's calls take the learner's current param arrays as an argument
         # (same devices, no host copy, no recompile); timing the handover keeps the split honest.
         t0 = time.perf_counter()
@@ -455,6 +460,22 @@ class Trainer:
         if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
             self.save()
         return metrics
+
+    def _nothing_trained_message(self) -> str:
+        """Why the last steps trained nothing (the dropped groups' rewards) and what to try."""
+        tally, t = self._skipped_tally, self.cfg.trainer
+        ended = int(tally["ended"])
+        mean = tally["reward_sum"] / ended if ended else float("nan")
+        return (
+            f"{self.consecutive_skips} consecutive steps trained nothing (trainer.max_consecutive_skips="
+            f"{t.max_consecutive_skips}): {ended} samples ended with mean reward {mean:.3f}; dynamic sampling dropped "
+            f"{int(tally['dropped_all_wrong'])} complete groups as all wrong (every reward 0), "
+            f"{int(tally['dropped_all_correct'])} as all right (every reward 1) and {int(tally['dropped_other'])} "
+            f"with other equal rewards; groups wait for all {self.cfg.rollout.n} samples to finish. A group whose "
+            f"rewards are all equal has zero advantage: nothing to learn. Try: for an all-wrong policy, a warm start "
+            f"or easier / cleaner data (check answers and rewards with `ulorl eval --model ... --data ...`); for an "
+            f"all-right one, harder problems (`ulorl data clean --model` drops what the policy solves n/n); more "
+            f"samples per prompt (rollout.n); or more rollout rounds per step (trainer.dynamic_sampling_max_rounds).")
 
     def _nonfinite_guard(self, learn: dict) -> dict[str, Any]:
         """Count updates the learner skipped for a non-finite loss / grad norm (it kept the old state)."""
