@@ -75,8 +75,8 @@ def _train(args) -> int:
               f"logged steps; run folder {args.run_dir}")
         if records and not trained:
             print("warning: nothing was trained: every complete group had equal rewards (see reward_mean and "
-                  "groups_dropped_* in metrics.jsonl); a policy that never (or always) earns the reward needs other data "
-                  "or a warm start", file=sys.stderr)
+                  "groups_dropped_* in metrics.jsonl); a policy that never (or always) earns the reward needs "
+                  "other data or a warm start", file=sys.stderr)
     return 0
 
 
