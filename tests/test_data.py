@@ -378,3 +378,54 @@ def test_cli_data_clean_with_policy_model(tmp_path, capsys):
     # a random policy cannot write "\boxed{3}" in 4 tokens: nothing is solved, everything kept
     assert summary["actions"]["solved_by_policy"] == "drop"
     assert summary["kept"] == 2 and summary["matches"]["solved_by_policy"] == 0
+
+
+# --- a user's own data: templates, keys, per-file reports ----------------------------
+def test_chat_template_kwargs_and_system_prompt_reach_the_template():
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}"
+                         "{% if enable_thinking %}think{% else %}nothink{% endif %}")
+    assert tok.decode(encode_prompt(tok, "hi", chat_template_kwargs={"enable_thinking": True})) == "u:hi;think"
+    assert tok.decode(encode_prompt(tok, "hi", chat_template_kwargs={"enable_thinking": False})) == "u:hi;nothink"
+    assert tok.decode(encode_prompt(tok, "hi", system_prompt="be brief")) == "s:be brief;u:hi;nothink"
+
+
+def _data_options(**overrides):
+    from ulorl_jax.config import load_config
+
+    return load_config("tiny_cpu", [f"data.{k}={v}" for k, v in overrides.items()]).data
+
+
+def test_file_report_counts_kept_and_dropped_and_refuses_too_many(tmp_path, caplog):
+    from ulorl_jax.data.sources import prompt_file_stream
+
+    rows = [{"prompt": "a" * (5 if i % 4 else 60), "answer": "1"} for i in range(20)]  # 5 of 20 too long
+    path = _write_lines(tmp_path / "p.jsonl", [json.dumps(r) for r in rows] + ["{broken"])
+    options = _data_options(max_dropped_fraction=0.5)
+    with caplog.at_level("WARNING"):
+        stream = prompt_file_stream([str(path)], options, TOK, 40, shuffle=False)
+    assert len(stream) == 15
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{path}: kept 15 of 21 rows, dropped 6" in message
+    assert "5 x prompt is N tokens, over max_prompt_len=N" in message and "1 x bad JSON" in message
+    with pytest.raises(ValueError, match=r"kept 15 of 21 rows, dropped 6 .* more than data.max_dropped_fraction=0.2"):
+        prompt_file_stream([str(path)], _data_options(), TOK, 40, shuffle=False)
+
+
+def test_eval_files_have_their_own_keys(tmp_path):
+    from ulorl_jax.data.sources import prompt_file_stream
+
+    path = _write_lines(tmp_path / "e.jsonl", [json.dumps({"problem": "1+1", "solution": "2"})])
+    options = _data_options(eval_prompt_key="problem", eval_answer_key="solution")
+    items = prompt_file_stream([str(path)], options, TOK, None, shuffle=False, held_out=True).take(1)
+    assert items[0].metadata["answer"] == "2" and items[0].metadata["prompt"] == "1+1"
+    with pytest.raises(ValueError, match="missing key 'prompt'"):  # training files keep data.prompt_key
+        prompt_file_stream([str(path)], options, TOK, None, shuffle=False)
+
+
+def test_bad_json_message_says_where_and_shows_the_line(tmp_path):
+    path = _write_lines(tmp_path / "b.jsonl", ['{"prompt": "x", "answer": }'])
+    (_, row), = read_rows(path)
+    assert isinstance(row, BadRow)
+    assert row.reason.startswith("bad JSON (Expecting value at column 27): ")
+    assert '{"prompt": "x", "answer": }' in row.reason

@@ -125,3 +125,13 @@ def test_ulorl_eval_on_a_jsonl_benchmark(tmp_path, capsys):
     assert set(k for k in result if k.startswith("eval_pass_at_")) == {"eval_pass_at_1", "eval_pass_at_2"}
     assert result["eval_pass_at_1"] == pytest.approx(result["eval_accuracy"])
     assert result["eval_pass_at_1"] <= result["eval_pass_at_2"] <= 1.0
+
+
+def test_model_folder_without_tokenizer_is_refused_before_the_run_folder_exists(tmp_path):
+    from hf_utils import save_hf_model
+
+    save_hf_model("qwen3", tmp_path / "model")  # weights and config.json, no tokenizer files
+    cfg = tiny_config("model.arch=null", f"model.path={tmp_path / 'model'}")
+    with pytest.raises(ValueError, match=r"model\.path\) has no tokenizer files \(tokenizer.json"):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

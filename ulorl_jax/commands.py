@@ -175,7 +175,8 @@ def _eval_prompts(cfg, data: str | None, tokenizer) -> list:
 
     files = [data] if data else list(cfg.data.eval_files)
     if files:
-        stream = prompt_file_stream(files, cfg.data, tokenizer, cfg.data.max_prompt_len, shuffle=False)
+        stream = prompt_file_stream(files, cfg.data, tokenizer, cfg.data.max_prompt_len, shuffle=False,
+                                    held_out=True)
         return stream.take(len(stream))
     if cfg.data.synthetic is not None:
         task = SyntheticTask.from_options(cfg.data.synthetic)

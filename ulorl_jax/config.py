@@ -118,8 +118,14 @@ class DataOptions:
     answer_key: str = "answer"
     shuffle_seed: int = 0
     apply_chat_template: bool = True
-    on_bad_row: str = "skip"  # skip (counted and logged) | error
+    eval_prompt_key: str | None = None  # keys of eval_files' rows; null = prompt_key / answer_key
+    eval_answer_key: str | None = None
+    on_bad_row: str = "skip"  # skip (counted and reported per file) | error
+    max_dropped_fraction: float = 0.2  # refuse a file when more of its rows are bad (skipped); 1 = never
     max_prompt_len: int | None = 1024  # tokens; longer prompts are bad rows; null = no limit
+    system_prompt: str | None = None  # a system turn before every text prompt (chat template)
+    # extra arguments of the tokenizer's chat template, e.g. {enable_thinking: true} for Qwen3
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Knobs of a generated task (see ulorl_jax.data); null when reading files.
     synthetic: dict[str, Any] | None = None
 
@@ -494,6 +500,8 @@ def validate(cfg: RunConfig) -> None:
     _require(len(fill) <= 1, "mesh", sizes, f"at most one axis set to -1, got {fill}")
 
     d = cfg.data
+    _require(0.0 <= d.max_dropped_fraction <= 1.0, "data.max_dropped_fraction", d.max_dropped_fraction,
+             "a fraction in [0, 1]")
     if not d.train_files and d.synthetic is None:
         raise ConfigError("data.train_files is empty and data.synthetic is null: give training data")
     _require(d.max_prompt_len is None or d.max_prompt_len >= 1, "data.max_prompt_len", d.max_prompt_len,

@@ -44,6 +44,7 @@ class PromptDataConfig:
     on_bad_row: str = "skip"  # "skip" | "error"
     use_chat_template: bool = True  # when the tokenizer has one
     system_prompt: str | None = None
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {"enable_thinking": True}
     split: str = "train"  # for a datasets folder holding a DatasetDict
     extra_keys: tuple[str, ...] = ()  # further row fields copied into metadata
     shuffle: bool = True
@@ -67,7 +68,7 @@ class PromptRecord:
 
 
 def encode_prompt(tokenizer: Any, prompt: Any, *, use_chat_template: bool = True,
-                  system_prompt: str | None = None) -> list[int]:
+                  system_prompt: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt given as text, a list of chat messages, or token ids.
 
     Text goes through the chat template (one user turn, generation prompt
@@ -100,7 +101,8 @@ def encode_prompt(tokenizer: Any, prompt: Any, *, use_chat_template: bool = True
                         f"list of token ids, got {_describe(prompt)}")
     if system_prompt is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(chat_template_kwargs or {}))
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -130,7 +132,7 @@ def record_from_row(row: dict, config: PromptDataConfig, tokenizer: Any, source:
         raise KeyError(f"missing key {config.prompt_key!r} (keys: {sorted(row)[:8]})")
     prompt = row[config.prompt_key]
     prompt_ids = encode_prompt(tokenizer, prompt, use_chat_template=config.use_chat_template,
-                               system_prompt=config.system_prompt)
+                               system_prompt=config.system_prompt, chat_template_kwargs=config.chat_template_kwargs)
     if config.max_prompt_len is not None and len(prompt_ids) > config.max_prompt_len:
         raise ValueError(f"prompt is {len(prompt_ids)} tokens, over max_prompt_len={config.max_prompt_len}")
     metadata: dict = {"source": source, "line": line}
@@ -161,7 +163,7 @@ def load_prompts(config: PromptDataConfig, tokenizer: Any) -> tuple[list[PromptR
                 reason = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
                 row = BadRow(source, line, str(reason))
         if config.on_bad_row == "error":
-            raise ValueError(f"bad prompt row {row} (set on_bad_row=skip to skip such rows)")
+            raise ValueError(f"bad prompt row {row} (set data.on_bad_row=skip to skip such rows)")
         if len(bad) < _LOGGED_BAD_ROWS:
             logger.warning("skipping bad prompt row %s", row)
         bad.append(row)

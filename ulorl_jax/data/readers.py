@@ -70,8 +70,13 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict | BadRow]]:
                 continue  # blank lines are allowed (e.g. a trailing newline)
             try:
                 row = json.loads(text)
-            except (json.JSONDecodeError, RecursionError) as err:
-                yield number, BadRow(source, number, f"bad JSON: {getattr(err, 'msg', type(err).__name__)}")
+            except json.JSONDecodeError as err:
+                snippet = text.strip()
+                snippet = snippet if len(snippet) <= 80 else snippet[:77] + "..."
+                yield number, BadRow(source, number, f"bad JSON ({err.msg} at column {err.colno}): {snippet!r}")
+                continue
+            except RecursionError:
+                yield number, BadRow(source, number, "bad JSON: nested too deeply")
                 continue
             if not isinstance(row, dict):
                 yield number, BadRow(source, number, f"expected a JSON object, got {type(row).__name__}")

@@ -106,23 +106,50 @@ def eval_prompts(problems: Sequence[SyntheticProblem], tokenizer, apply_chat_tem
 
 
 def prompt_file_stream(files: Sequence[str], options: Any, tokenizer, max_prompt_len: int | None, *,
-                       shuffle: bool):
+                       shuffle: bool, held_out: bool = False):
     """A PromptStream over the rows of `files` (jsonl / parquet / datasets folders). `options`: the run
-    config's `data` section (prompt_key, answer_key, on_bad_row, apply_chat_template, shuffle_seed)."""
+    config's `data` section. Each file's kept and dropped rows are reported, by reason; a file with more
+    than `data.max_dropped_fraction` of its rows dropped is refused. `held_out`: eval files, read with
+    `data.eval_prompt_key` / `eval_answer_key` when set."""
     from ulorl_jax.data.prompts import PromptDataConfig, PromptStream, load_prompts
 
+    prompt_key, answer_key = options.prompt_key, options.answer_key
+    if held_out:
+        prompt_key = options.eval_prompt_key or prompt_key
+        answer_key = options.eval_answer_key or answer_key
     records, bad = [], []
     for path in files:
-        config = PromptDataConfig(path=path, prompt_key=options.prompt_key, answer_key=options.answer_key,
+        config = PromptDataConfig(path=path, prompt_key=prompt_key, answer_key=answer_key,
                                   max_prompt_len=max_prompt_len, on_bad_row=options.on_bad_row,
-                                  use_chat_template=options.apply_chat_template, shuffle=shuffle,
+                                  use_chat_template=options.apply_chat_template, system_prompt=options.system_prompt,
+                                  chat_template_kwargs=dict(options.chat_template_kwargs or {}), shuffle=shuffle,
                                   seed=options.shuffle_seed)
         config.validate()
         got, rejected = load_prompts(config, tokenizer)
+        _report_file(path, len(got), rejected, options.max_dropped_fraction, held_out)
         records += got
         bad += rejected
-    if bad:
-        log.warning("skipped %d malformed prompt rows (data.on_bad_row=skip), e.g. %s", len(bad), bad[0])
     if not records:
         raise ValueError(f"no usable prompts in {list(files)}")
     return PromptStream(records, seed=options.shuffle_seed, shuffle=shuffle, bad_rows=bad)
+
+
+def _report_file(path: str, kept: int, rejected: list, max_fraction: float, held_out: bool) -> None:
+    """Log how many rows of `path` were kept and why the others were dropped; refuse too many drops."""
+    import re
+    from collections import Counter
+
+    total = kept + len(rejected)
+    role = "eval" if held_out else "train"
+    if not rejected:
+        log.info("data (%s): %s: kept all %d rows", role, path, total)
+        return
+    reasons = Counter(re.sub(r"\d+", "N", row.reason.split(":")[0] if row.reason.startswith("bad JSON")
+                             else row.reason) for row in rejected)
+    summary = "; ".join(f"{n} x {reason}" for reason, n in reasons.most_common(5))
+    message = f"data ({role}): {path}: kept {kept} of {total} rows, dropped {len(rejected)} ({summary})"
+    if len(rejected) > max_fraction * total:
+        raise ValueError(f"{message}: more than data.max_dropped_fraction={max_fraction:g} of the file. Fix the "
+                         f"rows (first: {rejected[0]}), raise data.max_prompt_len if prompts are too long, or set "
+                         f"data.max_dropped_fraction")
+    log.warning("%s", message)

@@ -71,12 +71,17 @@ def build_tokenizer(cfg: RunConfig):
     """The run's tokenizer: `model.tokenizer`, else the model folder's, else the synthetic task's."""
     folder = cfg.model.tokenizer or cfg.model.path
     if folder is not None:
-        from transformers import AutoTokenizer
+        from ulorl_jax.model_source import TOKENIZER_FILES, load_tokenizer
 
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
         try:
-            return AutoTokenizer.from_pretrained(folder)
+            tokenizer = load_tokenizer(folder)
         except (OSError, ValueError) as err:
-            raise ValueError(f"cannot load a tokenizer from {folder} (model.tokenizer / model.path): {err}") from None
+            raise ValueError(f"cannot load a tokenizer from {folder} ({key}): {err}") from None
+        if tokenizer is None:  # AutoTokenizer would silently build an empty tokenizer from such a folder
+            raise ValueError(f"{folder} ({key}) has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the "
+                             f"base model's tokenizer there or set model.tokenizer=DIR")
+        return tokenizer
     if cfg.data.synthetic is None:
         raise ValueError("no tokenizer: set model.tokenizer or model.path (or use data.synthetic)")
     from ulorl_jax.data.tokenizer import build_tokenizer as build_char_tokenizer
@@ -230,15 +235,22 @@ class Trainer:
         """`length_oracle` (tests, benchmarks): ends a sample as if EOS at the length it returns."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.on_step = on_step
         t = cfg.trainer
+        # Tokenizer, data and model first: their errors name the cause before the run folder exists.
         self.tokenizer = build_tokenizer(cfg)
+        self.max_prompt_len = cfg.data.max_prompt_len or 1024
+        self._build_data()
         model = build_model(cfg, self.tokenizer, seed=t.seed)
+        r = cfg.rollout
+        positions = model.config.max_position_embeddings
+        if self.max_prompt_len + r.global_max_len > positions:
+            log.warning("data.max_prompt_len %d + rollout.global_max_len %d = %d tokens exceed the model's %d "
+                        "positions (max_position_embeddings): longer samples run past what it was trained on",
+                        self.max_prompt_len, r.global_max_len, self.max_prompt_len + r.global_max_len, positions)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.mesh = build_mesh(cfg)
         self.learner = Learner(model, learner_config(cfg), self.mesh)
-        r = cfg.rollout
-        self.max_prompt_len = cfg.data.max_prompt_len or 1024
         rollout_cfg = RolloutConfig(global_max_len=r.global_max_len, num_segments=r.num_segments,
                                     samples_per_prompt=r.n, max_prompt_len=self.max_prompt_len,
                                     eos_token_ids=eos_ids(self.tokenizer), sampling=sampling_params(cfg))
@@ -259,7 +271,6 @@ class Trainer:
         if self.process_count > 1:  # each process decodes its share of the prompts; ended samples are gathered
             self.rollout = DistributedRollout(self.rollout)
         self.scorer = build_scorer(cfg)
-        self._build_data()
         self.step = 0
         self.policy_version = 0
         self.ready_groups: list[list[Sample]] = []  # kept by dynamic sampling, waiting for an update
@@ -300,7 +311,7 @@ class Trainer:
             self.prompts = self._prompt_stream(cfg.data.train_files, shuffle=True)
             self.eval_set = []
             if cfg.data.eval_files:
-                stream = self._prompt_stream(cfg.data.eval_files, shuffle=False)
+                stream = self._prompt_stream(cfg.data.eval_files, shuffle=False, held_out=True)
                 self.eval_set = stream.take(len(stream))
             return
         self.task = SyntheticTask.from_options(cfg.data.synthetic)
@@ -308,8 +319,9 @@ class Trainer:
                                      apply_chat_template=cfg.data.apply_chat_template)
         self.eval_set = eval_prompts(self.task.eval, self.tokenizer, cfg.data.apply_chat_template)
 
-    def _prompt_stream(self, files: list[str], shuffle: bool):
-        return prompt_file_stream(files, self.cfg.data, self.tokenizer, self.max_prompt_len, shuffle=shuffle)
+    def _prompt_stream(self, files: list[str], shuffle: bool, held_out: bool = False):
+        return prompt_file_stream(files, self.cfg.data, self.tokenizer, self.max_prompt_len, shuffle=shuffle,
+                                  held_out=held_out)
 
     # -- supervised warm start (the demo's "sometimes wrong" traces) -------------------
 
