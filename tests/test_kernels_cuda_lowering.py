@@ -8,6 +8,14 @@ mixes), so these tests catch a kernel that only works in interpret mode long
 before a GPU run. What they do not cover: Triton -> PTX compilation, numerics
 and speed on a real GPU (benchmarks/attention.py does those on a GPU host).
 
+jax >= 0.12 asks which GPU it lowers for (the compute capability Triton targets)
+and, without a local GPU, raises "No supported GPU devices found, please
+specify an abstract GPU device using AbstractDevice". `_cuda_module` names one:
+it exports inside `jax.sharding.use_abstract_mesh(abstract_gpu_mesh())`, a
+one-device abstract mesh on an H100 `AbstractDevice` (sm90; see
+kernels/pallas/gpu_target.py). jax 0.10.x ignores the abstract device and
+lowers for sm90 when no GPU is present, so one code path serves both.
+
 Shapes use the GPU default block sizes, bf16, GQA and lengths that are not
 multiples of the blocks, so the padded paths lower too.
 """
@@ -18,19 +26,22 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.sharding import use_abstract_mesh
 
 from ulorl_jax.kernels import decode_attention, flash_attention, grouped_matmul
 from ulorl_jax.kernels.decode_attention import default_decode_params
 from ulorl_jax.kernels.flash_attention import default_block_sizes
+from ulorl_jax.kernels.gpu_target import abstract_gpu_mesh
 from ulorl_jax.kernels.grouped_matmul import default_gmm_block_sizes
 
 TRITON = "__gpu$xla.gpu.triton"
 
 
 def _cuda_module(fn, *args) -> str:
-    """StableHLO text of `fn` lowered for CUDA (Triton custom calls allowed)."""
-    exported = export.export(jax.jit(fn), platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    """StableHLO text of `fn` lowered for CUDA on an abstract H100 (Triton custom calls allowed)."""
+    with use_abstract_mesh(abstract_gpu_mesh()):
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
     return exported.mlir_module()
 
 
