@@ -21,7 +21,7 @@ import pytest
 
 from ulorl_jax.kernels import IMPLS, attention, flash_attention, mha_reference
 
-INTERPRET = jax.default_backend() == "cpu"  # flip to False to run on a GPU
+INTERPRET = jax.default_backend() == "cpu"  # compiled on a GPU: run with JAX_PLATFORMS=cuda (conftest defaults to cpu)
 
 TOL = {
     jnp.float32: dict(out=2e-5, grad=1e-4, rtol=1e-5),

@@ -14,7 +14,7 @@ import pytest
 from ulorl_jax.kernels import decode_attention
 from ulorl_jax.kernels import decode_attention_reference as _reference
 
-INTERPRET = jax.default_backend() == "cpu"  # flip to False to run on a GPU
+INTERPRET = jax.default_backend() == "cpu"  # compiled on a GPU: run with JAX_PLATFORMS=cuda (conftest defaults to cpu)
 # Jitted: the op-by-op eager reference compiles slower than one jit.
 decode_attention_reference = jax.jit(_reference)
 

@@ -23,7 +23,7 @@ from ulorl_jax.kernels import dispatch, gmm, grouped_matmul, grouped_matmul_expe
 from ulorl_jax.kernels.grouped_matmul import group_metadata
 from ulorl_jax.models.moe import experts_ragged, route
 
-INTERPRET = jax.default_backend() == "cpu"  # flip to False to run on a GPU
+INTERPRET = jax.default_backend() == "cpu"  # compiled on a GPU: run with JAX_PLATFORMS=cuda (conftest defaults to cpu)
 TOL = {jnp.float32: dict(atol=3e-5, rtol=1e-5), jnp.bfloat16: dict(atol=1e-1, rtol=2e-2)}
 BLOCKS = dict(block_m=16, block_n=16, block_k=16)
 

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--torch-compile", choices=["off", "learner", "all"], default="learner",
                    help="torch.compile the learner model (default), also the decode forward (all), or neither")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="device of the torch side (default cpu; JAX uses its default backend)")
     g.add_argument("--seed", type=int, default=0, help="default 0")
     g.add_argument("--json", action="store_true", help="also print the result as one JSON line (last line)")
     return parser
@@ -89,8 +91,12 @@ def run(args) -> dict:
         torch_model.save_pretrained(folder)
         jax_model = from_pretrained(folder, dtype="float32")
         torch_compiled_src = fwd.build_torch_model(config, fs)  # same seed: same weights, separate optimizer
-    result = {"bench": "compare", "settings": s, "backend": {"jax": jax.default_backend(),
-                                                             "torch": "cpu"},  # the torch model stays on CPU (see README)
+    device = torch.device(s["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device (a CPU-only torch build, or no GPU)")
+    torch_model.to(device)
+    torch_compiled_src.to(device)
+    result = {"bench": "compare", "settings": s, "backend": {"jax": jax.default_backend(), "torch": device.type},
               "model": {"model_type": "qwen3_moe", "params": int(sum(p.numel() for p in torch_model.parameters()))}}
 
     # -- learner step -------------------------------------------------------------------
@@ -149,13 +155,14 @@ def run(args) -> dict:
                           max_cache_len=p_len + n, prefill_buckets=(p_len,), sampling=GREEDY)
     params = learner.params  # the learner's current weights, no copy (params are an argument)
     requests = [Request(prompts[i].tolist(), n, i) for i in range(b)]
-    ids = torch.as_tensor(prompts)
+    ids = torch.as_tensor(prompts, device=device)
     torch_model.eval()
 
     def torch_generate(model, **kw):
         with torch.inference_mode():
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0, **kw)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0, **kw)
+        return out.cpu()  # a host copy, as the engine returns: the timing includes the device's work
 
     dcases = {"jax": lambda: engine.run(params, requests, steps_per_call=16),
               "torch_eager": lambda: torch_generate(torch_model)}

@@ -126,12 +126,14 @@ def _torch_step_fn(model, samples, config, s: dict):
 
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(config.adam_b1, config.adam_b2),
                             eps=config.adam_eps, weight_decay=config.weight_decay)
-    seqs = torch.as_tensor([x.prompt_ids + x.response_ids for x in samples], dtype=torch.long)  # [N, L]
+    device = next(model.parameters()).device
+    seqs = torch.as_tensor([x.prompt_ids + x.response_ids for x in samples], dtype=torch.long,
+                           device=device)  # [N, L]
     p = s["prompt_len"]
-    resp = torch.zeros(seqs.shape, dtype=torch.float32)
+    resp = torch.zeros(seqs.shape, dtype=torch.float32, device=device)
     resp[:, p - 1:-1] = 1.0  # position t scores token t+1
-    adv = torch.tensor([x.advantage for x in samples])[:, None]
-    reward = torch.tensor([x.reward for x in samples])[:, None]
+    adv = torch.tensor([x.advantage for x in samples], device=device)[:, None]
+    reward = torch.tensor([x.reward for x in samples], device=device)[:, None]
     n_tokens = resp.sum()
     r = s["micro_batch_rows"]
 
@@ -159,6 +161,8 @@ def _torch_step_fn(model, samples, config, s: dict):
         if config.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # time the work, not the launch
         return loss
 
     return step
