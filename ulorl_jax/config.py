@@ -74,7 +74,7 @@ class ModelOptions:
     tokenizer: str | None = None  # HF tokenizer folder; null = the one in `path` (or the synthetic task's)
     dtype: str = "float32"  # activations
     param_dtype: str = "float32"
-    attention_impl: str = "xla"
+    attention_impl: str = "blockwise"  # xla (materialised reference) | blockwise | cudnn | pallas
     moe_impl: str = "ragged"
 
     def model_config(self, loaded: ModelConfig | None = None) -> ModelConfig:

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--torch-compile", choices=["off", "learner", "all"], default="learner",
                    help="torch.compile the learner model (default), also the decode forward (all), or neither")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
+    g.add_argument("--attention-impl", choices=["blockwise", "xla", "cudnn", "pallas"], default="blockwise",
+                   help="JAX side's attention (default blockwise; xla = the materialised reference)")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="device of the torch side (default cpu; JAX uses its default backend)")
     g.add_argument("--seed", type=int, default=0, help="default 0")
@@ -89,7 +91,7 @@ def run(args) -> dict:
     torch_model = fwd.build_torch_model(config, fs)
     with tempfile.TemporaryDirectory(prefix="ulorl-bench-") as folder:
         torch_model.save_pretrained(folder)
-        jax_model = from_pretrained(folder, dtype="float32")
+        jax_model = from_pretrained(folder, dtype="float32", attention_impl=s["attention_impl"])
         torch_compiled_src = fwd.build_torch_model(config, fs)  # same seed: same weights, separate optimizer
     device = torch.device(s["device"])
     if device.type == "cuda" and not torch.cuda.is_available():

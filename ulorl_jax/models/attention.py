@@ -5,14 +5,17 @@ a multiple of Hkv, K/V are never repeated in memory) and an `AttentionMask`,
 and returns [B, Tq, Hq, D].
 
 - `xla`: plain einsum + masked softmax in float32; the reference.
+- `blockwise`: plain JAX, online softmax over key/value blocks with a recomputing custom VJP: O(T x block)
+  memory in forward and backward (`blockwise_attention.py`); calls with one query block use `xla`.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")` on GPU.
 - `pallas`: the kernels in `ulorl_jax.kernels`: flash attention for the
   training forward (splash attention on TPU); in the KV-cache path, one new
   token per slot (generation) runs the split-KV decode kernel with the cache's
   segment ids (left padding stays masked); multi-token prefill into a cache
-  uses `xla` (logged once).
+  uses `blockwise` (logged once).
 
-A backend that cannot serve a call falls back to `xla` and logs why, once.
+A backend that cannot serve a call falls back to `blockwise` (the default: `xla` for calls of one query
+block, e.g. decode) and logs why, once.
 """
 
 from __future__ import annotations
@@ -69,24 +72,25 @@ def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
 
 def cudnn_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     if jax.default_backend() != "gpu":
-        warn_once(log, "cudnn-platform", f"attention_impl=cudnn needs a GPU (backend is {jax.default_backend()}); using xla")
-        return xla_attention(q, k, v, mask)
+        warn_once(log, "cudnn-platform", f"attention_impl=cudnn needs a GPU (backend is {jax.default_backend()}); using blockwise")
+        return blockwise_attention(q, k, v, mask)
     return jax.nn.dot_product_attention(q, k, v, mask=mask.dense()[:, None], implementation="cudnn")
 
 
 def pallas_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     if not mask.is_self_attention and q.shape[1] != 1:
         warn_once(log, "pallas-prefill", "attention_impl=pallas: multi-token prefill into a KV cache "
-                  "has no kernel (the decode kernel takes one query per slot); using xla")
-        return xla_attention(q, k, v, mask)
+                  "has no kernel (the decode kernel takes one query per slot); using blockwise")
+        return blockwise_attention(q, k, v, mask)
     try:
         from ulorl_jax import kernels
     except ImportError as err:  # pragma: no cover - depends on the install
-        warn_once(log, "pallas-import", f"attention_impl=pallas unavailable ({err}); using xla")
-        return xla_attention(q, k, v, mask)
+        warn_once(log, "pallas-import", f"attention_impl=pallas unavailable ({err}); using blockwise")
+        return blockwise_attention(q, k, v, mask)
     if not hasattr(kernels, "attention"):
-        warn_once(log, "pallas-missing", "attention_impl=pallas: ulorl_jax.kernels has no attention(); using xla")
-        return xla_attention(q, k, v, mask)
+        warn_once(log, "pallas-missing", "attention_impl=pallas: ulorl_jax.kernels has no attention(); "
+                  "using blockwise")
+        return blockwise_attention(q, k, v, mask)
     if not mask.is_self_attention:
         # Generation: one query per slot at cache slot q_index; it may see slots
         # 0..q_index of its own segment (the dense mask's rule, as lengths + ids).
@@ -96,7 +100,14 @@ def pallas_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     return kernels.attention(q, k, v, causal=True, segment_ids=mask.q_segment_ids, impl="pallas")
 
 
-_IMPLS: dict[str, AttentionFn] = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention}
+def blockwise_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
+    from ulorl_jax.models.blockwise_attention import blockwise_attention as blockwise
+
+    return blockwise(q, k, v, mask)
+
+
+_IMPLS: dict[str, AttentionFn] = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
+                                  "blockwise": blockwise_attention}
 
 
 def register_attention_impl(name: str, fn: AttentionFn) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
-ATTENTION_IMPLS = ("xla", "cudnn", "pallas")
+ATTENTION_IMPLS = ("xla", "blockwise", "cudnn", "pallas")
 MOE_IMPLS = ("ragged", "dense", "pallas")
 EXPERT_LAYOUTS = ("per_expert", "fused")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -69,7 +69,7 @@ class ModelConfig:
     # Runtime choices (not part of the checkpoint).
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype of activations
-    attention_impl: str = "xla"
+    attention_impl: str = "blockwise"  # xla (materialised reference) | blockwise | cudnn | pallas
     moe_impl: str = "ragged"
     # Expert tensor layout used when writing an HF checkpoint (kept from the source).
     expert_layout: str = "per_expert"
