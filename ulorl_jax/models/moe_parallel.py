@@ -102,7 +102,9 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_f
     x [N, D]; weights / experts [N, K] (router output); w_gate / w_up [E, D, F];
     w_down [E, F, D] -> [N, D], equal to local_fn(x, weights, experts, w_*) on one device.
     local_fn: moe.experts_ragged-like, taking `expert_offset`. rows_per_chunk: default ROWS_PER_CHUNK.
-    check_vma: False for a Pallas local_fn — a pallas_call's out_shape carries no varying-axes type and
+    check_vma: False for a custom-VJP grouped matmul (the CPU's plain-JAX one: its backward returns
+    d_rhs summed over the token axes, which vma typing would need declared per axis) and for a Pallas
+    local_fn — a pallas_call's out_shape carries no varying-axes type and
     the Pallas interpreter cannot run under checked types (as kernels/pallas/sharded.py for attention); the
     gradients are tested equal to one device both ways (tests/test_moe_parallel.py).
     """
