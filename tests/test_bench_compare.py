@@ -31,3 +31,24 @@ def test_compare_runs_side_by_side(capsys):
     assert D["greedy_token_agreement"] >= 0.8
     assert r["backend"]["jax"] == "cpu"
     assert "learner step" in "\n".join(out)
+
+
+@pytest.mark.slow
+def test_sequence_length_sweep_keeps_tokens_per_step(capsys):
+    """`--sweep-seq-lens`: the learner step at each row length, same tokens per step, one table and JSON."""
+    from ulorl_jax.cli import main
+
+    rc = main(["bench", "compare", "--sweep-seq-lens", "32,64", "--sweep-tokens", "128", "--hidden-size", "32",
+               "--layers", "1", "--experts", "4", "--vocab", "128", "--moe-intermediate-size", "16", "--prompt-len",
+               "8", "--iters", "1", "--torch-compile", "off", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    r = json.loads(out[-1])
+    assert r["bench"] == "compare-sweep" and [row["seq_len"] for row in r["rows"]] == [32, 64]
+    for row in r["rows"]:
+        L = row["learner_step"]
+        assert row["samples"] * row["seq_len"] == 128
+        assert L["jax"]["tokens_per_s"] == pytest.approx(128 / L["jax"]["median_s"])
+        assert L["ratio_jax_over_torch_eager"] == pytest.approx(L["jax"]["tokens_per_s"] / L["torch_eager"]["tokens_per_s"])
+    assert "JAX/eager" in "\n".join(out)
+    assert main(["bench", "compare", "--sweep-seq-lens", "30", "--sweep-tokens", "128"]) == 2  # 30 does not divide 128

@@ -50,13 +50,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="device of the torch side (default cpu; JAX uses its default backend)")
     g.add_argument("--seed", type=int, default=0, help="default 0")
+    g.add_argument("--skip-decode", action="store_true", help="learner step only")
+    g = parser.add_argument_group("sequence-length sweep")
+    g.add_argument("--sweep-seq-lens", default=None, metavar="L1,L2,...",
+                   help="learner step at each row length with the same total tokens (e.g. 256,2048,8192), "
+                        "one table; decode is skipped")
+    g.add_argument("--sweep-tokens", type=int, default=8192, help="tokens per learner step in the sweep (default 8192)")
     g.add_argument("--json", action="store_true", help="also print the result as one JSON line (last line)")
     return parser
 
 
 def _settings(args) -> dict:
     defaults = vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
-    return {k: getattr(args, k, v) for k, v in defaults.items() if k != "json"}
+    return {k: getattr(args, k, v) for k, v in defaults.items() if k not in ("json", "sweep_seq_lens", "sweep_tokens")}
 
 
 def run(args) -> dict:
@@ -150,6 +156,13 @@ def run(args) -> dict:
     learn["torch_compile"] = learn.get("torch_compile", {}) | {"status": compile_note}
     result["learner_step"] = learn
 
+    if s["skip_decode"]:
+        machine = fwd._machine_info()
+        machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(),
+                       cpu_during_timing=fwd._background_load(cpu_before, fwd._cpu_sample()))
+        result["machine"] = machine
+        return result
+
     # -- decode -------------------------------------------------------------------------
     b, p_len, n = s["decode_batch"], s["prompt_len"], s["new_tokens"]
     prompts = np.random.default_rng(s["seed"] + 1).integers(0, s["vocab"], size=(b, p_len), dtype=np.int64)
@@ -213,8 +226,50 @@ def run(args) -> dict:
     return result
 
 
+def run_sweep(args) -> dict:
+    """The learner step at each of --sweep-seq-lens with --sweep-tokens tokens per step, side by side."""
+    try:
+        lengths = [int(x) for x in str(args.sweep_seq_lens).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep-seq-lens must be comma-separated integers, got {args.sweep_seq_lens!r}") from None
+    if not lengths or any(n < 1 or args.sweep_tokens % n for n in lengths):
+        raise ValueError(f"--sweep-seq-lens {args.sweep_seq_lens}: every length must divide --sweep-tokens "
+                         f"{args.sweep_tokens}")
+    rows = []
+    for length in lengths:
+        one = argparse.Namespace(**{**vars(args), "seq_len": length, "samples": args.sweep_tokens // length,
+                                    "skip_decode": True})
+        r = run(one)
+        L = r["learner_step"]
+        rows.append({"seq_len": length, "samples": one.samples, "learner_step": L, "machine": r["machine"]})
+    return {"bench": "compare-sweep", "tokens_per_step": args.sweep_tokens, "settings": _settings(args),
+            "backend": r["backend"], "model": r["model"], "rows": rows}
+
+
+def format_sweep(r: dict) -> str:
+    lines = [f"ulorl bench compare sweep: learner step (UloRL loss + AdamW), {r['tokens_per_step']:,} tokens per step; "
+             f"JAX on {r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}; "
+             f"attention_impl {r['settings']['attention_impl']}",
+             f"{'row':>6}{'rows':>6}{'JAX tok/s':>11}{'eager tok/s':>13}{'JAX/eager':>11}{'compile tok/s':>15}"
+             f"{'JAX/compile':>13}{'JAX RSS MiB':>13}{'eager RSS MiB':>15}{'XLA temp MiB':>14}"]
+    for row in r["rows"]:
+        L = row["learner_step"]
+        comp = L.get("torch_compile", {})
+        lines.append(
+            f"{row['seq_len']:>6}{row['samples']:>6}{L['jax']['tokens_per_s']:>11,.0f}"
+            f"{L['torch_eager']['tokens_per_s']:>13,.0f}{L['ratio_jax_over_torch_eager']:>11.2f}"
+            + (f"{comp['tokens_per_s']:>15,.0f}{L['ratio_jax_over_torch_compile']:>13.2f}" if "tokens_per_s" in comp
+               else f"{'-':>15}{'-':>13}")
+            + f"{L['jax']['peak_rss_growth_bytes'] / 2**20:>13.1f}"
+              f"{L['torch_eager']['peak_rss_growth_bytes'] / 2**20:>15.1f}{L['jax']['xla_temp_bytes'] / 2**20:>14.1f}")
+    mc = r["rows"][-1]["machine"]
+    lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}; "
+                 f"{mc['date']}")
+    return "\n".join(lines)
+
+
 def format_table(r: dict) -> str:
-    s, mc, L, D = r["settings"], r["machine"], r["learner_step"], r["decode"]
+    s, mc, L = r["settings"], r["machine"], r["learner_step"]
     dev = f"JAX on {r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}"
     lines = [f"ulorl bench compare: qwen3_moe {r['model']['params']:,} params (hidden {s['hidden_size']}, "
              f"{s['layers']} layers, {s['experts']} experts top-{s['top_k']}, vocab {s['vocab']}); {dev}",
@@ -230,6 +285,9 @@ def format_table(r: dict) -> str:
                      f"{v['peak_rss_growth_bytes'] / 2**20:>14.1f}{v['first_call_s']:>14.1f}")
     lines.append(f"torch.compile (learner): {L['torch_compile']['status']}; JAX XLA temp buffers "
                  f"{L['jax']['xla_temp_bytes'] / 2**20:.1f} MiB")
+    if "decode" not in r:
+        return "\n".join(lines)
+    D = r["decode"]
     lines += ["", f"decode: {s['decode_batch']} prompts x ({s['prompt_len']} + {s['new_tokens']} greedy), median of "
                   f"{s['iters']}", f"{'':<16}{'run ms':>10}{'tokens/s':>11}{'JAX / it':>10}{'first call s':>14}"]
     for name in ("jax", "torch_eager", "torch_compile"):
@@ -253,6 +311,9 @@ def _cli(args) -> int:
         import torch  # noqa: F401
     except ModuleNotFoundError:
         raise ValueError("bench compare needs PyTorch: install it with pip install -e '.[test]'") from None
+    if args.sweep_seq_lens:
+        result = run_sweep(args)
+        return fwd.print_result(result, format_sweep(result), args.json)
     result = run(args)
     return fwd.print_result(result, format_table(result), args.json)
 
