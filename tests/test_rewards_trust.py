@@ -297,3 +297,18 @@ def test_verifier_prompt_clips_long_fields_and_parses_verdicts():
                             ("The answer is: no", False), ("Nope", None), ("yesno", None), ("", None),
                             ("I cannot say; yes", True)]:
         assert parse_verdict(output) is verdict, output
+
+
+def test_long_responses_are_scored_whole_in_the_sandbox():
+    """A response over IN_PROCESS_CHARS is not parsed in the trainer process: the whole boxed rule runs in a
+    sandboxed worker (under the timeout) and gives rule_reward's verdict; its duplicate shares the call."""
+    from ulorl_jax.rewards.rule import rule_reward
+    from ulorl_jax.rewards.scorer import IN_PROCESS_CHARS
+
+    think = "step " * (IN_PROCESS_CHARS // 5 + 1)
+    batch = [(think + "so \\boxed{\\frac{1}{2}}", "0.5", False, {}), (think + "so \\boxed{3}", "4", False, {}),
+             (think + "so \\boxed{\\frac{1}{2}}", "0.5", False, {}), ("\\boxed{7}", "7", False, {})]
+    for workers in (2, 0):
+        with RewardScorer(RewardConfig(workers=workers, timeout_s=20)) as scorer:
+            assert scorer.score(batch) == [rule_reward(t, r) for t, r, _, _ in batch] == [1.0, 0.0, 1.0, 1.0]
+            assert scorer.stats.sandboxed == 2 and scorer.stats.quick == 1  # two long calls; \boxed{7} in-process

@@ -47,6 +47,13 @@ def math_verify_response_reward(response: str, reference: str) -> float:
     return float(math_verify_response_equivalence(response, reference, timeout_s=None))
 
 
+def boxed_response_reward(response: str, reference: str, answer_pattern: str | None = None) -> float:
+    """The whole boxed rule, extraction included, as 0/1: for responses long enough that even linear
+    extraction is more than a few milliseconds of the trainer's time (sandboxed like the above)."""
+    _quiet_math_verify()
+    return rule_reward(response, reference, answer_pattern=answer_pattern, timeout_s=None)
+
+
 def _quiet_math_verify() -> None:
     import logging
 

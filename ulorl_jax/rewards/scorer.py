@@ -38,7 +38,7 @@ import threading
 from typing import Any, Sequence
 
 from ulorl_jax.rewards.extract import compile_answer_pattern, extract_answer
-from ulorl_jax.rewards.rule import math_verify_reward, quick_rule_reward, reference_answer
+from ulorl_jax.rewards.rule import quick_rule_reward, reference_answer
 from ulorl_jax.rewards.sandbox import Outcome, SandboxPool, resolve_function
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,10 @@ _MATH_VERIFY_FN = "ulorl_jax.rewards.rule:math_verify_reward"
 _MATH_VERIFY_RESPONSE_FN = "ulorl_jax.rewards.rule:math_verify_response_reward"
 _MATH_VERIFY_FNS = {_MATH_VERIFY_FN: "math_verify_equivalence",
                     _MATH_VERIFY_RESPONSE_FN: "math_verify_response_equivalence"}
+_BOXED_RESPONSE_FN = "ulorl_jax.rewards.rule:boxed_response_reward"
+# Responses longer than this (characters; ~8k tokens) are scored whole in the sandbox, extraction included:
+# in-process work per response stays at a few milliseconds whatever its length.
+IN_PROCESS_CHARS = 32_768
 _LOGGED_PER_KIND = 10
 _VERDICT_CACHE_SIZE = 100_000  # warnings per event kind before going quiet (counters keep counting)
 
@@ -184,10 +188,18 @@ class RewardScorer:
     def _score_rule(self, batch, todo: list[int], rewards: list[float]) -> None:
         whole = self.config.extraction == "math_verify"  # math-verify extracts from the response itself
         pattern = self.config.answer_pattern
-        hard: dict[tuple[str, str], list[int]] = {}  # math-verify calls by verdict key, deduplicated
-        calls_by_key: dict[tuple[str, str], tuple[str, str]] = {}
+        hard: dict[tuple[str, ...], list[int]] = {}  # math-verify calls by verdict key, deduplicated
+        long: dict[tuple[str, ...], list[int]] = {}  # long responses: the whole rule in the sandbox
+        args: dict[tuple[str, ...], tuple] = {}  # each key's call
         for i in todo:
-            answer = batch[i][0] if whole and pattern is None else extract_answer(batch[i][0], pattern)
+            text = batch[i][0]
+            if not whole and len(text) > IN_PROCESS_CHARS:
+                key = ("long", _digest(text), str(batch[i][1]))
+                if not self._cached(key, i, rewards):
+                    long.setdefault(key, []).append(i)
+                    args[key] = (text, str(batch[i][1]), pattern)
+                continue
+            answer = text if whole and pattern is None else extract_answer(text, pattern)
             if answer is None:
                 self.stats.no_answer += 1
                 continue
@@ -195,24 +207,35 @@ class RewardScorer:
             # a long answer (a whole response) is remembered by its digest: the verdict cache is kept
             key = (_digest(answer) if whole or len(answer) > 256 else answer, reference)
             quick = None if whole else quick_rule_reward(answer, reference)
-            if quick is None:
-                quick = self._verdicts.get(key)
             if quick is not None:
                 self.stats.quick += 1
                 rewards[i] = quick
-            else:
+            elif not self._cached(key, i, rewards):
                 hard.setdefault(key, []).append(i)
-                calls_by_key[key] = (answer, reference)
-        keys = list(hard)
-        firsts = [hard[key][0] for key in keys]
-        fn = _MATH_VERIFY_RESPONSE_FN if whole else _MATH_VERIFY_FN
-        statuses = self._run(fn, [calls_by_key[key] for key in keys], firsts, rewards, batch)
+                args[key] = (answer, reference)
+        self._run_grouped(_MATH_VERIFY_RESPONSE_FN if whole else _MATH_VERIFY_FN, hard, args, rewards, batch)
+        self._run_grouped(_BOXED_RESPONSE_FN, long, args, rewards, batch)
+
+    def _cached(self, key, i: int, rewards: list[float]) -> bool:
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            return False
+        self.stats.quick += 1
+        rewards[i] = verdict
+        return True
+
+    def _run_grouped(self, fn: str, groups: dict, args: dict, rewards: list[float], batch) -> None:
+        """One sandboxed call per key; the samples sharing a key share its verdict, which is remembered
+        when it is a real one (never a timeout's 0)."""
+        keys = list(groups)
+        firsts = [groups[key][0] for key in keys]
+        statuses = self._run(fn, [args[key] for key in keys], firsts, rewards, batch)
         if len(self._verdicts) > _VERDICT_CACHE_SIZE:
             self._verdicts.clear()
         for key, first, status in zip(keys, firsts, statuses):
-            for i in hard[key][1:]:  # duplicates share the verdict (and its 0 on failure)
+            for i in groups[key][1:]:
                 rewards[i] = rewards[first]
-            if status == "ok":  # only real verdicts are remembered, never a timeout's 0
+            if status == "ok":
                 self._verdicts[key] = rewards[first]
 
     def _score_verifier(self, batch, todo: list[int], rewards: list[float]) -> None:
@@ -275,8 +298,9 @@ class RewardScorer:
                 seconds = max(1, math.ceil(self.config.timeout_s)) if on_main else None
                 verdict = getattr(equivalence, _MATH_VERIFY_FNS[fn_path])(*args, timeout_s=seconds)
                 return Outcome("ok", float(verdict))
+            fn = self._custom if fn_path == self.config.custom_fn else resolve_function(fn_path)
             with _alarm(self.config.timeout_s):
-                return Outcome("ok", self._custom(*args))
+                return Outcome("ok", fn(*args))
         except _InlineTimeout:
             return Outcome("timeout", detail=f"no result after {self.config.timeout_s:g}s")
         except Exception as err:  # noqa: BLE001
