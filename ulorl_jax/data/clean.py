@@ -32,7 +32,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ulorl_jax.data.readers import BadRow, read_rows
 
@@ -274,16 +274,18 @@ def policy_solver(model_dir: str, *, samples: int = 8, max_new_tokens: int = 102
 
     def solve(rows: Sequence[dict]) -> list[tuple[int, int]]:
         import jax
-        from transformers import AutoTokenizer
 
+        from ulorl_jax import model_source
         from ulorl_jax.data.prompts import encode_prompt
         from ulorl_jax.decode.engine import PolicyEngine, Request
         from ulorl_jax.decode.sampling import SamplingParams
-        from ulorl_jax.models.native import load_any
         from ulorl_jax.rewards import RewardConfig, RewardScorer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
-        model = load_any(model_dir)
+        loaded = model_source.load(model_source.resolve(model_dir))  # HF / ulorl folder, run or checkpoint
+        model = loaded.model
+        tokenizer = model_source.load_tokenizer(tokenizer_dir) if tokenizer_dir else loaded.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{tokenizer_dir or model_dir} has no tokenizer files: pass one with --tokenizer")
         prompts = [encode_prompt(tokenizer, row[prompt_key]) for row in rows]
         eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         longest = max(len(p) for p in prompts)
@@ -328,7 +330,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--off", action="append", default=[], choices=RULES, metavar="RULE",
                    help="do not apply RULE (repeatable)")
     p.add_argument("--dedupe", action="store_true", help="drop repeated prompts (rule 'duplicate')")
-    p.add_argument("--model", help="policy folder (HF or ulorl): drop prompts it solves in all --samples samples")
+    p.add_argument("--model", help="policy: HF or ulorl folder, run folder or RUN/checkpoints/STEP; drop the prompts "
+                   "it solves in all --samples samples")
     p.add_argument("--tokenizer", help="tokenizer folder for --model (default: the model folder)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt for --model (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="response budget for --model (default: 1024)")
