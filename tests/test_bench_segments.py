@@ -90,7 +90,10 @@ def test_json_shape_and_cli_table(capsys):
     assert r["segments"]["1"]["speedup"] == 1.0
     for v in r["segments"].values():
         assert {"seconds_per_update", "speedup", "ideal_speedup", "rollout_s_per_update", "learn_s_per_update",
-                "slot_occupancy", "staleness", "ledger"} <= set(v)
+                "slot_occupancy", "staleness", "ledger", "host_s_per_update", "pct_of_ideal",
+                "prefill_calls_per_step", "prefill_rows_per_step"} <= set(v)
+        # batched prefill: a step's samples take a call per length bucket, not one per sample
+        assert 1 <= v["prefill_calls_per_step"] <= 2
     assert "MEASURED on CPU" in "\n".join(out)
 
 

@@ -67,3 +67,34 @@ def test_decode_step_compiles_once_for_new_weights(model):
     shifted = jax.tree_util.tree_map(lambda x: x * 1.01, state)
     step(shifted, tokens, model.init_cache(2, 8))
     assert step._cache_size() == 1
+
+
+def test_cache_layout_insert_rows_equals_one_insert_per_row():
+    """decode/cache_layout.py: a prefill batch's rows land in their slots in one scatter, exactly as one
+    `insert_prefix` per row; padding rows (slot >= slots) change nothing; the rest of a slot row is masked."""
+    from ulorl_jax.decode import cache_layout
+    from ulorl_jax.models.qwen3 import KVCache
+
+    m = init_model(tiny_config("qwen3", num_hidden_layers=1), seed=0)
+    rng = np.random.default_rng(0)
+    full = cache_layout.init_slots(m, 4, 12)
+    full = full._replace(k=tuple(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in full.k),
+                         segment_ids=jnp.ones_like(full.segment_ids))  # stale data of earlier requests
+    rows = cache_layout.prefill_cache(m, 3, 5)
+    rows = KVCache(tuple(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in rows.k),
+                   tuple(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in rows.v),
+                   jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], jnp.int32),
+                   jnp.asarray([3, 5, 1], jnp.int32), jnp.asarray([3, 5, 1], jnp.int32))
+    slots = jnp.asarray([2, 4, 0], jnp.int32)  # row 1 is padding: slot 4 >= 4 slots
+    got = cache_layout.insert_rows(full, rows, slots)
+    want = full
+    for r, slot in ((0, 2), (2, 0)):
+        one = jax.tree.map(lambda a, r=r: a[r:r + 1], rows)
+        want = cache_layout.insert_prefix(want, one, slot)
+    np.testing.assert_array_equal(np.asarray(got.segment_ids), np.asarray(want.segment_ids))
+    np.testing.assert_array_equal(np.asarray(got.index), np.asarray(want.index))
+    np.testing.assert_array_equal(np.asarray(got.position), np.asarray(want.position))
+    for a, b in zip(got.k + got.v, want.k + want.v):  # equal where attended to (segment id != 0)
+        live = np.asarray(want.segment_ids)[:, :, None, None] != 0
+        np.testing.assert_array_equal(np.where(live, np.asarray(a), 0), np.where(live, np.asarray(b), 0))
+    assert np.asarray(got.segment_ids)[[1, 3]].all()  # untouched slots keep their rows

@@ -108,7 +108,12 @@ def test_groups_pools_and_exact_resume(engine, reference):
     for step in range(1, 4):
         ra = a.step(engine.load_params(), [], policy_version=step, rng=jax.random.PRNGKey(5 + step))
         rb = b.step(engine.load_params(), [], policy_version=step, rng=jax.random.PRNGKey(5 + step))
-        assert [s.to_dict() for s in ra.ended] == [s.to_dict() for s in rb.ended]
+        # Same samples; log-probs up to the last ulp: b refills its slots at other times (4 steps per call),
+        # so its batched prefill calls have other shapes, and XLA rounds a row's math by its batch shape.
+        da, db = ([s.to_dict() | {"logprobs": None} for s in r.ended] for r in (ra, rb))
+        assert da == db
+        for sa, sb in zip(ra.ended, rb.ended):
+            np.testing.assert_allclose(sa.logprobs, sb.logprobs, rtol=1e-6, atol=1e-6)
         groups += a.experience_pool.pop_complete_groups()
     assert not a.unfinished_pool and len(a.experience_pool) == 0
     assert sorted(g[0].prompt_index for g in groups) == [0, 1, 2, 3]

@@ -141,6 +141,9 @@ class RolloutOptions:
     top_p: float = 1.0
     max_concurrent_decodes: int | None = None  # decode slots; null = the whole batch at once
     prefill_buckets: list[int] | None = None  # padded prompt lengths; null = powers of two
+    # padded tokens per batched prefill call (rows x bucket): a step's new and continued samples are
+    # prefilled in as few calls as this allows (decode/engine.py)
+    prefill_token_budget: int = 4096
 
     @property
     def segment_len(self) -> int:
@@ -499,6 +502,8 @@ def validate(cfg: RunConfig) -> None:
     fill = [a for a, s in sizes.items() if s == -1]
     _require(len(fill) <= 1, "mesh", sizes, f"at most one axis set to -1, got {fill}")
 
+    _require(cfg.rollout.prefill_token_budget >= 1, "rollout.prefill_token_budget", cfg.rollout.prefill_token_budget,
+             ">= 1 token")
     d = cfg.data
     _require(0.0 <= d.max_dropped_fraction <= 1.0, "data.max_dropped_fraction", d.max_dropped_fraction,
              "a fraction in [0, 1]")

@@ -175,7 +175,8 @@ def _merge_reports(parts: Sequence[dict], ended: list, experience_pool_size: int
         truncated=total("truncated"), unfinished_pool_size=total("unfinished_pool_size"),
         experience_pool_size=experience_pool_size, decode_seconds=max(p["decode_seconds"] for p in parts),
         prefill_seconds=max(p["prefill_seconds"] for p in parts),
-        slot_occupancy=sum(p["slot_occupancy"] for p in parts) / len(parts))
+        slot_occupancy=sum(p["slot_occupancy"] for p in parts) / len(parts),
+        prefill_calls=total("prefill_calls"), prefill_rows=total("prefill_rows"))
 
 
 class DistributedRollout:

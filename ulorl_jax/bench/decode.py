@@ -4,7 +4,7 @@ One run builds a random HF model (bench/forward.py's builder), loads the same
 weights into ours, and decodes the same `--batch` random prompts of
 `--prompt-len` tokens for exactly `--new-tokens` greedy tokens on both sides
 (no EOS, so lengths are equal):
-  ours:  `PolicyEngine.run` (prefill + insert per prompt, then `generate_steps`
+  ours:  `PolicyEngine.run` (batched prefill into the slots, then `generate_steps`
          with `--steps-per-call` steps per jitted call), `--batch` slots;
   torch: `model.generate(do_sample=False, max_new_tokens=N, min_new_tokens=N)`,
          KV cache on, `torch.inference_mode()`.
@@ -124,9 +124,44 @@ def run(args) -> dict:
     # Continuous batching with mixed lengths: 2B requests over B slots.
     budgets = np.random.default_rng(s["seed"] + 1).integers(max(1, n // 4), n + 1, size=2 * b)
     mixed = [Request(prompts[i % b].tolist(), int(budgets[i]), 100 + i) for i in range(2 * b)]
+    engine.run(params, mixed, steps_per_call=s["steps_per_call"])  # untimed: compiles its prefill shapes
     t0 = time.perf_counter()
     _, mixed_stats = engine.run(params, mixed, steps_per_call=s["steps_per_call"])
     mixed_s = time.perf_counter() - t0
+
+    # Prefill alone: the batch's prompts into their slots, batched (`prefill_many`, one call) vs one
+    # request per call (JetStream's `prefill` + `insert`, a host copy of each first token, as `run` did
+    # before batched prefill); and a group of `--batch` samples of one prompt (one shared prefill row).
+    group = [Request(prompts[0].tolist(), n, 200 + i) for i in range(b)]
+
+    def batched(reqs):
+        state, first = engine.prefill_many(params, engine.init_decode_state(), reqs, list(range(b)))
+        jax.block_until_ready(state)
+        return first
+
+    def one_per_call(reqs):
+        state = engine.init_decode_state()
+        for slot, r in enumerate(reqs):
+            prefix, _ = engine.prefill(params=params, padded_tokens=np.asarray(r.prompt_ids), true_length=p_len,
+                                       rng=r.key, max_new_tokens=r.max_new_tokens)
+            state = engine.insert(prefix, state, slot)
+            jax.device_get((prefix.token, prefix.logprob, prefix.sampling_logprob, prefix.done))
+        jax.block_until_ready(state)
+
+    prefill_cases = {"batched": lambda: batched(requests), "one_per_call": lambda: one_per_call(requests),
+                     "group_batched": lambda: batched(group), "group_one_per_call": lambda: one_per_call(group)}
+    prefill_times = {k: [] for k in prefill_cases}
+    for fn in prefill_cases.values():
+        fn()  # compile
+    for _ in range(max(3, s["iters"])):
+        for k, fn in prefill_cases.items():
+            t0 = time.perf_counter()
+            fn()
+            prefill_times[k].append(time.perf_counter() - t0)
+    prefill = {k: {"median_s": statistics.median(v), "tokens_per_s": b * p_len / statistics.median(v)}
+               for k, v in prefill_times.items()}
+    prefill["speedup_batched"] = prefill["one_per_call"]["median_s"] / prefill["batched"]["median_s"]
+    prefill["speedup_group"] = prefill["group_one_per_call"]["median_s"] / prefill["group_batched"]["median_s"]
 
     tokens = b * n
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -146,6 +181,7 @@ def run(args) -> dict:
         "continuous_batching": {"requests": 2 * b, "slots": b, "tokens": mixed_stats.tokens_decoded,
                                 "seconds": mixed_s, "tokens_per_s": mixed_stats.tokens_decoded / mixed_s,
                                 "slot_occupancy": mixed_stats.slot_occupancy},
+        "prefill": prefill,
     }
     machine = fwd._machine_info()
     machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
@@ -155,6 +191,7 @@ def run(args) -> dict:
 
 def format_table(r: dict) -> str:
     s, m, mc, j, t, cb = r["settings"], r["model"], r["machine"], r["jax"], r["torch"], r["continuous_batching"]
+    pf = r["prefill"]
     lines = [
         f"ulorl bench decode: {m['model_type']}, {s['layers']} layers, hidden {s['hidden_size']}, vocab {s['vocab']}; "
         f"{m['params']:,} params; float32 greedy",
@@ -172,6 +209,12 @@ def format_table(r: dict) -> str:
         f"slot occupancy {j['slot_occupancy']:.2f}; {j['compiled_executables']} executables compiled",
         f"continuous batching, {cb['requests']} mixed-length requests on {cb['slots']} slots: {cb['tokens']} tokens "
         f"in {cb['seconds']:.2f}s ({cb['tokens_per_s']:,.0f} tok/s), slot occupancy {cb['slot_occupancy']:.2f}",
+        f"prefill of {s['batch']} prompts x {s['prompt_len']} tokens into their slots (median of "
+        f"{max(3, s['iters'])}): "
+        f"batched {pf['batched']['tokens_per_s']:,.0f} tok/s vs one request per call "
+        f"{pf['one_per_call']['tokens_per_s']:,.0f} tok/s ({pf['speedup_batched']:.1f}x); a group of "
+        f"{s['batch']} samples of one prompt: {pf['group_batched']['tokens_per_s']:,.0f} vs "
+        f"{pf['group_one_per_call']['tokens_per_s']:,.0f} tok/s ({pf['speedup_group']:.1f}x)",
         f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}, "
         f"transformers {mc['transformers']}; load avg before {mc['loadavg_before']} after {mc['loadavg_after']}; "
         f"{mc['date']}",

@@ -21,6 +21,10 @@ drained and every sample created must be trained exactly once.
 
 One engine (slots = prompts x n x max K, so every in-flight sample gets a slot
 at every K) and one learner serve all K: the same executables, no recompiles.
+The K values run interleaved, one RL step of each in turn, so that on a shared
+machine every K sees the same background load (each K keeps its own pools,
+prompts, lengths and policy-version count, so its figures are what a K-only run
+would measure).
 
 Projected (`--model-scale`): the roofline cost model of `segment_cost.project`
 for the paper's setting (128 prompts x 8, 64k, K = 1, 2, 4, 8), assumptions printed.
@@ -52,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fraction running to the global max (truncated; default 0.05); the rest: (max/2, max]")
     g.add_argument("--steps", type=int, default=6, help="timed RL steps per K after warm-up (default 6)")
     g.add_argument("--steps-per-call", type=int, default=8, help="engine decode steps per jitted call (default 8)")
+    g.add_argument("--prefill-token-budget", type=int, default=None,
+                   help="engine's padded tokens per batched prefill call (default: the engine's, "
+                        "PolicyEngine.prefill_many)")
     g.add_argument("--seed", type=int, default=0, help="default 0")
     g = parser.add_argument_group("tiny model (measured run)")
     g.add_argument("--hidden-size", type=int, default=32, help="default 32")
@@ -122,6 +129,21 @@ def _train_samples(groups) -> list:
 
 def run_one(engine, learner, k: int, s: dict, dist: sc.LengthDistribution, progress=None) -> dict:
     """Measure one num_segments value; the engine and learner are shared across K."""
+    steps = run_steps(engine, learner, k, s, dist)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        if progress:
+            progress()
+
+
+def run_steps(engine, learner, k: int, s: dict, dist: sc.LengthDistribution):
+    """`run_one` as a generator that yields after every RL step (warm-up, timed, drain) and returns
+    its result: `run` interleaves the K values step by step, so that all K see the same background
+    load on a shared machine (their ratios are what the bench reports). Policy versions count this
+    K's own updates (the learner is shared)."""
     import jax
 
     from ulorl_jax.decode.sampling import SamplingParams
@@ -134,21 +156,21 @@ def run_one(engine, learner, k: int, s: dict, dist: sc.LengthDistribution, progr
     queue: list[list] = []  # complete groups waiting for an update, in completion order
     rng = np.random.default_rng(s["seed"])
     warmup = k + 1
-    rows, next_prompt = [], 0
+    rows, next_prompt, version = [], 0, 0
     g = s["prompts_per_step"]
 
     def compiles() -> int:
         return engine.compile_count() + sum(learner.jit_cache_sizes().values())
 
     def one_step(step: int, new_prompts: int) -> dict:
-        nonlocal next_prompt
+        nonlocal next_prompt, version
         prompts = []
         for _ in range(new_prompts):
             prompts.append(PromptItem(next_prompt, rng.integers(1, s["vocab"], s["prompt_len"]).tolist()))
             next_prompt += 1
         before = compiles()
         t0 = time.perf_counter()
-        rep = rollout.step(learner.params, prompts, policy_version=learner.step,
+        rep = rollout.step(learner.params, prompts, policy_version=version,
                            rng=jax.random.fold_in(jax.random.PRNGKey(s["seed"]), 1000 * k + step))
         rollout_s = time.perf_counter() - t0
         for smp in rep.ended:
@@ -162,16 +184,19 @@ def run_one(engine, learner, k: int, s: dict, dist: sc.LengthDistribution, progr
             batch, queue[:] = queue[:g], queue[g:]
             flat = [smp for grp in batch for smp in grp]
             ledger.trained.extend(smp.uid for smp in flat)
-            staleness += [(max(smp.policy_versions) - min(smp.policy_versions), learner.step - min(
+            staleness += [(max(smp.policy_versions) - min(smp.policy_versions), version - min(
                 smp.policy_versions), len(set(smp.policy_versions))) for smp in flat]
             t0 = time.perf_counter()
             learner.update(_train_samples(batch))
             learn_s += time.perf_counter() - t0
             updated += 1
+            version += 1
         batch_size = rep.carried + rep.finished + rep.truncated
         iterations = (rep.tokens_decoded - batch_size) / max(rep.slot_occupancy * engine.max_concurrent_decodes, 1e-9)
         return {"step": step, "rollout_s": rollout_s, "learn_s": learn_s, "updates": updated,
                 "prefill_s": rep.prefill_seconds, "decode_s": rep.decode_seconds,
+                "host_s": rollout_s - rep.prefill_seconds - rep.decode_seconds,
+                "prefill_calls": getattr(rep, "prefill_calls", 0), "prefill_rows": getattr(rep, "prefill_rows", 0),
                 "compiled": compiles() != before, "batch": batch_size, "tokens": rep.tokens_decoded,
                 "slot_occupancy": rep.slot_occupancy, "iterations": iterations,
                 "batch_occupancy": (rep.tokens_decoded - batch_size) / max(iterations * batch_size, 1e-9)
@@ -183,12 +208,12 @@ def run_one(engine, learner, k: int, s: dict, dist: sc.LengthDistribution, progr
         row = one_step(step, g)
         row["timed"] = step >= warmup
         rows.append(row)
-        if progress:
-            progress()
+        yield
     drain_steps = 0
     while rollout.unfinished_pool or queue or len(rollout.experience_pool):  # drain: every sample trained once
         one_step(10_000 + drain_steps, 0)
         drain_steps += 1
+        yield
         if drain_steps > 4 * k + 4:
             raise RuntimeError(f"K={k}: pools did not drain in {drain_steps} steps")
 
@@ -205,6 +230,10 @@ def run_one(engine, learner, k: int, s: dict, dist: sc.LengthDistribution, progr
         "learn_s_per_update": learn / updates if updates else float("nan"),
         "prefill_s_per_update": sum(r["prefill_s"] for r in timed) / max(updates, 1),
         "decode_s_per_update": sum(r["decode_s"] for r in timed) / max(updates, 1),
+        # rollout time outside prefill and decode calls: building requests, pools, host copies
+        "host_s_per_update": sum(r["host_s"] for r in timed) / max(updates, 1),
+        "prefill_calls_per_step": float(np.mean([r["prefill_calls"] for r in timed])) if timed else 0.0,
+        "prefill_rows_per_step": float(np.mean([r["prefill_rows"] for r in timed])) if timed else 0.0,
         "updates_timed": updates, "steps_timed": len(timed),
         "steps_excluded_compiling": sum(1 for r in rows if r["timed"] and r["compiled"]),
         "segment_len": cfg.segment_len,
@@ -236,7 +265,9 @@ def build(s: dict):
                        seed=s["seed"])
     p, gmax = s["prompt_len"], s["global_max_len"]
     slots = s["prompts_per_step"] * s["n"] * max(ks)
-    engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=p + gmax, max_cache_len=p + gmax)
+    budget = {"prefill_token_budget": s["prefill_token_budget"]} if s.get("prefill_token_budget") else {}
+    engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=p + gmax, max_cache_len=p + gmax,
+                          **budget)
     learner = Learner(model, LearnerConfig(row_len=p + gmax, micro_batch_rows=1, logprob_chunk=p + gmax,
                                            mask_mode="dmmpt", lr=1e-4))
     return ks, engine, learner
@@ -249,6 +280,9 @@ def run(args) -> dict:
                  "projection_n", "projection_prompt_len"):
         if not isinstance(s[name], int) or s[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {s[name]!r}")
+    if s["prefill_token_budget"] is not None and (not isinstance(s["prefill_token_budget"], int)
+                                                  or s["prefill_token_budget"] < 1):
+        raise ValueError(f"--prefill-token-budget must be a positive integer, got {s['prefill_token_budget']!r}")
     dist = sc.LengthDistribution(s["global_max_len"], body=s["body"], truncated=s["truncated"], seed=s["seed"])
     if s["model_scale"]:
         return projection(s, dist)
@@ -261,19 +295,29 @@ def run(args) -> dict:
     out = {}
     cpu_before = fwd._cpu_sample()
     with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
-        for k in ks:
-            task = bar.add_task(f"num_segments={k}", total=k + 1 + s["steps"])
-            out[k] = run_one(engine, learner, k, s, dist, progress=lambda: bar.advance(task))
+        task = bar.add_task(f"num_segments {','.join(map(str, ks))}, interleaved",
+                            total=sum(k + 1 + s["steps"] for k in ks))
+        running = {k: run_steps(engine, learner, k, s, dist) for k in ks}
+        while running:  # one RL step of each K in turn: every K sees the same background load
+            for k, steps in list(running.items()):
+                try:
+                    next(steps)
+                    bar.advance(task)
+                except StopIteration as done:
+                    out[k] = done.value
+                    del running[k]
     background = fwd._background_load(cpu_before, fwd._cpu_sample())
     base = out[ks[0]]["seconds_per_update"]
     for k in ks:
         out[k]["speedup"] = base / out[k]["seconds_per_update"]
         out[k]["ideal_speedup"] = ideal[k]["ideal_speedup"]
+        out[k]["pct_of_ideal"] = 100.0 * out[k]["speedup"] / ideal[k]["ideal_speedup"]
         out[k]["ideal_batch_occupancy"] = ideal[k]["ideal_batch_occupancy"]
     machine = fwd._machine_info()
     machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
     return {"bench": "segments", "mode": "measured", "settings": s, "length_distribution": dist.describe(),
-            "engine_slots": engine.max_concurrent_decodes, "segments": {str(k): out[k] for k in ks},
+            "engine_slots": engine.max_concurrent_decodes,
+            "prefill_token_budget": getattr(engine, "prefill_token_budget", None), "segments": {str(k): out[k] for k in ks},
             "machine": machine}
 
 
@@ -327,24 +371,28 @@ def format_table(r: dict) -> str:
         f"ulorl bench segments (MEASURED on CPU: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; {mc['date']})",
         f"tiny qwen3 hidden {s['hidden_size']}, {s['layers']} layers, vocab {s['vocab']}; {s['prompts_per_step']} "
         f"prompts x {s['n']} per step, prompt {s['prompt_len']}, global max {s['global_max_len']}; engine "
-        f"{r['engine_slots']} slots, {s['steps_per_call']} steps/call",
+        f"{r['engine_slots']} slots, {s['steps_per_call']} steps/call, prefill budget "
+        f"{r.get('prefill_token_budget', '-')} tokens/call",
         f"lengths: {r['length_distribution']}",
         "",
-        f"{'K':>3}{'seg':>5}{'s/update':>10}{'speedup':>9}{'ideal':>7}{'rollout s':>10}{'prefill':>8}{'decode':>8}"
-        f"{'learn s':>9}"
+        f"{'K':>3}{'seg':>5}{'s/update':>10}{'speedup':>9}{'ideal':>7}{'% ideal':>8}{'rollout s':>10}{'prefill':>8}"
+        f"{'decode':>8}{'host':>7}{'learn s':>9}{'pf calls':>9}"
         f"{'slots':>7}{'batch occ':>10}{'in flight':>10}{'versions':>9}{'spread max':>11}{'ledger':>12}",
     ]
     for k, v in r["segments"].items():
         st, lg = v["staleness"], v["ledger"]
         ok = "ok" if not (lg["duplicates"] or lg["lost"] or lg["unknown"] or lg["wrong_length"]) else "BAD"
         lines.append(f"{k:>3}{v['segment_len']:>5}{v['seconds_per_update']:>10.3f}{v['speedup']:>9.2f}"
-                     f"{v['ideal_speedup']:>7.2f}{v['rollout_s_per_update']:>10.3f}{v['prefill_s_per_update']:>8.3f}"
-                     f"{v['decode_s_per_update']:>8.3f}{v['learn_s_per_update']:>9.3f}"
+                     f"{v['ideal_speedup']:>7.2f}{v['pct_of_ideal']:>7.0f}%{v['rollout_s_per_update']:>10.3f}"
+                     f"{v['prefill_s_per_update']:>8.3f}{v['decode_s_per_update']:>8.3f}{v['host_s_per_update']:>7.3f}"
+                     f"{v['learn_s_per_update']:>9.3f}{v['prefill_calls_per_step']:>9.1f}"
                      f"{v['slot_occupancy']:>7.2f}{v['batch_occupancy']:>10.2f}{v['mean_in_flight']:>10.1f}"
                      f"{st['mean_versions_per_sample']:>9.2f}{st['max_version_spread']:>11d}"
                      f"{lg['trained']:>6d}/{lg['created']:<4d}{ok}")
     lines += ["s/update: (rollout + learn) wall time of compile-free timed steps / updates in them; ideal: "
-              "critical-path speedup of the same lengths (batch free, learning free)",
+              "critical-path speedup of the same lengths (batch free, learning free); % ideal: speedup / ideal",
+              "prefill / decode: seconds in the engine's prefill / decode calls; host: the rest of the rollout "
+              "(requests, pools, host copies); pf calls: batched prefill calls per step",
               "slots: fraction of engine slots generating; batch occ: fraction of the step's samples generating per "
               "decode iteration; versions: policy versions per trained sample; ledger: trained / created "
               "(each exactly once)"]

@@ -13,6 +13,13 @@ jetstream.
   pytree of the same structure (new weights every RL step) never recompiles.
 - Prefill pads prompts to a length bucket (one compile per bucket); prompts
   longer than `max_prefill_length`, empty prompts and unknown token ids raise.
+- Batched prefill (`prefill_many`, used by `run`): many requests per jitted call, padded to
+  the bucket of the call's longest, `pow2(rows) x bucket <= prefill_token_budget` tokens per call, written
+  straight into their slots in the same call (no per-request insert). Requests with equal prompts
+  (a group's n samples) share one prefill row: its KV is copied to each sample's slot and each
+  samples its first token with its own key. JetStream's one-request `prefill` / `insert` stay as
+  they are for its orchestrator and `ulorl serve`.
+- The KV cache layout (slot rows today) is reached only through `decode/cache_layout.py`.
 - Per-slot RNG keys, generated counts, budgets and done flags live in the
   decode state, so a request's tokens do not depend on which slot it got.
 - `generate_steps` runs several decode steps in one jit (`lax.scan`): on small
@@ -37,10 +44,10 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ulorl_jax.decode import cache_layout
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
 from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
-from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MESH_AXES, axis_size, batch_axes_for, context_mesh,
-                                mesh_context)
+from ulorl_jax.sharding import MESH_AXES, batch_axes_for, context_mesh, mesh_context
 
 # --------------------------------------------------------------------------------------
 # JetStream-shaped result containers (same fields / methods as jetstream's engine_api).
@@ -126,6 +133,20 @@ def _as_raw_key(key) -> jnp.ndarray:
     return key.astype(jnp.uint32)
 
 
+DEFAULT_PREFILL_TOKEN_BUDGET = 4096  # padded tokens per batched prefill call (see PolicyEngine.prefill_many)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _host_key(key) -> np.ndarray:
+    """A request's key as raw uint32 [2] on the host (batched prefill ships keys in one array)."""
+    if isinstance(key, np.ndarray) and key.dtype == np.uint32 and key.shape == (2,):
+        return key
+    return np.asarray(_as_raw_key(key))
+
+
 def default_prefill_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of two from `smallest`, capped by (and ending at) max_prefill_length."""
     buckets, b = [], smallest
@@ -161,18 +182,45 @@ def _prefill_impl(graphdef, rest, params, tokens, true_length, cache, key, budge
     return Prefix(cache, tok[0], lp[0], slp[0], key, budget, done)
 
 
+def _prefill_rows_impl(graphdef, rest, params, state: DecodeState, tokens, lengths, slots, keys, budgets, *,
+                       sampling, eos_ids):
+    """Batched prefill + insert in one call. tokens [R, L] (right-padded), lengths [R]; every row is a
+    distinct prompt and feeds up to F slots (a group's samples share one prefill): slots [R, F] (>= B:
+    unused), keys [R, F, 2], budgets [R, F]. Each entry samples its first token from its row's last
+    logits with its own key, exactly as `_prefill_impl` does for one request.
+    Returns (state, (tokens, logprobs, sampling_logprobs, done), each [R, F])."""
+    model = nnx.merge(graphdef, params, rest)
+    r, length = tokens.shape
+    f = slots.shape[1]
+    mask = (jnp.arange(length, dtype=jnp.int32)[None, :] < lengths[:, None]).astype(jnp.int32)  # [R, L]
+    logits, rows = model.decode_step(tokens, cache_layout.prefill_cache(model, r, length), attention_mask=mask)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, V]
+    # Rewind past the padding, as `_prefill_impl` does: decoding overwrites it.
+    rows = rows._replace(index=lengths, position=lengths)
+    split = jax.vmap(jax.random.split)(keys.reshape(r * f, 2))  # [R*F, 2, 2]
+    tok, lp, slp = sample_tokens(jnp.repeat(last, f, axis=0), split[:, 1], sampling)  # each [R*F]
+    flat = slots.reshape(-1)
+    budget = budgets.reshape(-1)
+    done = _eos_hit(tok, eos_ids) | (budget <= 1)
+    cache = state.cache
+    for j in range(f):  # F scatters of the rows' size; unused entries (slot >= B) drop
+        cache = cache_layout.insert_rows(cache, rows, slots[:, j])
+    put = lambda a, v: a.at[flat].set(v.astype(a.dtype), mode="drop")  # noqa: E731
+    new = DecodeState(cache=cache, tokens=put(state.tokens, tok), keys=put(state.keys, split[:, 0]),
+                      lengths=put(state.lengths, jnp.ones_like(tok)), budget=put(state.budget, budget),
+                      done=put(state.done, done), logprobs=put(state.logprobs, lp),
+                      sampling_logprobs=put(state.sampling_logprobs, slp))
+    shape = slots.shape
+    return _laid_out(new), (tok.reshape(shape), lp.reshape(shape), slp.reshape(shape), done.reshape(shape))
+
+
 def decode_state_specs(state: DecodeState, mesh) -> DecodeState:
     """PartitionSpecs of a decode state on `mesh`: slots over the data axes that divide them, the KV
-    cache's heads over the kv_heads rule when they divide, everything else replicated."""
+    cache as `cache_layout.cache_specs` lays it out, everything else replicated."""
     rows = batch_axes_for(state.tokens.shape[0], mesh) or None
-    heads = DEFAULT_PARAM_RULES["kv_heads"]
-    kv_heads = state.cache.k[0].shape[2] if state.cache.k else 0
-    heads = heads if heads is not None and kv_heads % axis_size(mesh, heads) == 0 else None
     per_slot = lambda x: P(rows, *([None] * (x.ndim - 1)))  # noqa: E731
     specs = jax.tree.map(per_slot, state)
-    cache = P(rows, None, heads, None)
-    return specs._replace(cache=specs.cache._replace(k=tuple(cache for _ in state.cache.k),
-                                                     v=tuple(cache for _ in state.cache.v)))
+    return specs._replace(cache=cache_layout.cache_specs(state.cache, mesh, rows))
 
 
 def _laid_out(state: DecodeState) -> DecodeState:
@@ -186,22 +234,8 @@ def _laid_out(state: DecodeState) -> DecodeState:
 
 
 def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-    c, p = state.cache, prefix.cache
-    s, length = c.max_len, p.max_len
-
-    def put_row(full, row):  # full [B, S, ...], row [1, L, ...] -> slot's row = row, zero-padded to S
-        pad = [(0, 0), (0, s - length)] + [(0, 0)] * (row.ndim - 2)
-        return jax.lax.dynamic_update_slice_in_dim(full, jnp.pad(row, pad).astype(full.dtype), slot, axis=0)
-
-    cache = KVCache(
-        k=tuple(put_row(a, b) for a, b in zip(c.k, p.k)),
-        v=tuple(put_row(a, b) for a, b in zip(c.v, p.v)),
-        segment_ids=put_row(c.segment_ids, p.segment_ids),
-        index=c.index.at[slot].set(p.index[0]),
-        position=c.position.at[slot].set(p.position[0]),
-    )
     return _laid_out(DecodeState(
-        cache=cache,
+        cache=cache_layout.insert_prefix(state.cache, prefix.cache, slot),
         tokens=state.tokens.at[slot].set(prefix.token),
         keys=state.keys.at[slot].set(prefix.key),
         lengths=state.lengths.at[slot].set(1),
@@ -258,11 +292,29 @@ class Completion:
 
 
 @dataclasses.dataclass
+class PrefillResult:
+    """Host copy of what `prefill_many` did: per request (in the order given) its first token, log-probs
+    and whether that token already ends it; and what it cost."""
+
+    tokens: np.ndarray  # [N] int32
+    logprobs: np.ndarray  # [N] f32
+    sampling_logprobs: np.ndarray  # [N] f32
+    done: np.ndarray  # [N] bool
+    calls: int  # jitted calls
+    rows: int  # distinct prompts prefilled
+    tokens_prefilled: int  # real tokens of those rows
+    padded_tokens: int  # sum over calls of rows x length (what the calls computed)
+
+
+@dataclasses.dataclass
 class RunStats:
     tokens_decoded: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
-    prefills: int = 0
+    prefills: int = 0  # requests prefilled
+    prefill_calls: int = 0  # jitted prefill calls (batched: many requests per call)
+    prefill_rows: int = 0  # distinct prompts prefilled (a group's samples share one row)
+    prefill_tokens: int = 0  # real prompt tokens run through prefill (shared rows counted once)
     generate_calls: int = 0
     slot_steps_used: int = 0  # sum over decode steps of generating slots
     slot_steps_total: int = 0  # decode steps x slots
@@ -282,9 +334,11 @@ class PolicyEngine:
     def __init__(self, model: Qwen3ForCausalLM, *, max_concurrent_decodes: int, max_prefill_length: int,
                  max_cache_len: int, prefill_buckets: Sequence[int] | None = None,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
-                 mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None):
+                 mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None,
+                 prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET):
         for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
-                        ("max_prefill_length", max_prefill_length), ("max_cache_len", max_cache_len)):
+                        ("max_prefill_length", max_prefill_length), ("max_cache_len", max_cache_len),
+                        ("prefill_token_budget", prefill_token_budget)):
             if int(v) != v or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if max_prefill_length > max_cache_len:
@@ -309,6 +363,7 @@ class PolicyEngine:
         self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
         self._mesh = mesh
         self._tokenizer = tokenizer
+        self.prefill_token_budget = int(prefill_token_budget)
         self._prefill_calls = 0
         g, r = self._graphdef, self._rest
         # Under a mesh of several devices, trace everything under it (see module doc).
@@ -319,6 +374,10 @@ class PolicyEngine:
                                                          eos_ids=eos_ids)),
                                     static_argnames=("sampling", "eos_ids"))
         self._insert_jit = jax.jit(traced(_insert_impl), donate_argnums=(1,))
+        self._prefill_rows_jit = jax.jit(traced(lambda p, s, t, n, sl, k, b, *, sampling, eos_ids:
+                                                _prefill_rows_impl(g, r, p, s, t, n, sl, k, b, sampling=sampling,
+                                                                   eos_ids=eos_ids)),
+                                         static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
         self._generate_jit = jax.jit(traced(lambda p, s, *, sampling, eos_ids:
                                             _generate_impl(g, r, p, s, sampling=sampling, eos_ids=eos_ids)),
                                      static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
@@ -374,7 +433,7 @@ class PolicyEngine:
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         b = self._slots
         zf = jnp.zeros((b,), jnp.float32)
-        state = DecodeState(self._model.init_cache(b, self.max_cache_len), jnp.zeros((b,), jnp.int32),
+        state = DecodeState(cache_layout.init_slots(self._model, b, self.max_cache_len), jnp.zeros((b,), jnp.int32),
                             jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
                             jnp.ones((b,), bool), zf, zf)
         if self._sharded:  # placed as every jitted function keeps it (`decode_state_specs`)
@@ -426,15 +485,11 @@ class PolicyEngine:
         start = 0 if existing_prefix is None else int(existing_prefix.cache.index[0])
         if start + true_length > self.max_cache_len:
             raise ValueError(f"prefix of {start} + {true_length} tokens exceeds max_cache_len={self.max_cache_len}")
-        room = self.max_cache_len - start - true_length + 1  # tokens that still fit (last one is never cached)
-        budget = room if max_new_tokens is None else int(max_new_tokens)
-        if budget < 1 or budget > room:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, {room}] for a prompt of "
-                             f"{start + true_length} tokens and max_cache_len={self.max_cache_len}")
+        budget = self._check_budget(start + true_length, max_new_tokens)
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :true_length] = ids
         if existing_prefix is None:
-            cache = self._model.init_cache(1, bucket)
+            cache = cache_layout.prefill_cache(self._model, 1, bucket)
         else:  # grow the existing cache so the new chunk fits after its index
             c = existing_prefix.cache
             pad = start + bucket - c.max_len
@@ -448,6 +503,95 @@ class PolicyEngine:
                                    eos_ids=self.eos_token_ids)
         first = _result_tokens(prefix.token[None], jnp.ones((1,), bool), jnp.ones((1,), jnp.int32))
         return prefix, first
+
+    def plan_prefill(self, lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """Split prefill rows of these token lengths into calls: [(padded length L, row indices)], each
+        call computing pow2(rows) x L <= prefill_token_budget padded tokens (a row longer than the
+        budget gets a call alone). Longest rows first; a shorter row joins the current call (padded
+        to its L) while the budget allows, so a step's rows take as few calls as the budget allows:
+        below the budget a call costs about the same however full it is (dispatch and weight reads
+        dominate), which is what the budget should be set to mean. Shapes come from a fixed set:
+        L in `prefill_buckets`, rows a power of two <= budget / L."""
+        order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
+        calls: list[tuple[int, list[int]]] = []
+        for i in order:
+            if calls and _pow2_ceil(len(calls[-1][1]) + 1) * calls[-1][0] <= self.prefill_token_budget:
+                calls[-1][1].append(i)
+            else:
+                calls.append((self.bucket_for(int(lengths[i])), [i]))
+        return calls
+
+    def prefill_many(self, params: Any, decode_state: DecodeState, requests: Sequence[Request],
+                     slots: Sequence[int], *, sampling: SamplingParams | None = None
+                     ) -> tuple[DecodeState, PrefillResult]:
+        """Prefill `requests` and insert request i into slot `slots[i]`, in as few jitted calls as
+        `prefill_token_budget` allows (`plan_prefill`). Requests with the same prompt (a group's n
+        samples) share one prefill row and start from copies of its KV cache; each still samples its
+        first token with its own key, so its tokens equal a one-request `prefill` + `insert`.
+        Not in JetStream's API (its orchestrator keeps using `prefill` / `insert`)."""
+        prompts, budgets = [], []
+        for i, r in enumerate(requests):
+            prompts.append(self.check_prompt(r.prompt_ids, what=f"request {i} prompt"))
+            budgets.append(self._check_budget(len(prompts[-1]), r.max_new_tokens))
+        if len(slots) != len(requests) or len(set(int(x) for x in slots)) != len(slots):
+            raise ValueError(f"prefill_many: need one distinct slot per request, got {len(slots)} slots for "
+                             f"{len(requests)} requests")
+        for x in slots:
+            if not 0 <= int(x) < self._slots:
+                raise ValueError(f"slot={x} outside [0, {self._slots})")
+        keys = [_host_key(r.key) for r in requests]
+        return self._prefill_many(params, decode_state, prompts, budgets, keys, list(slots),
+                                  sampling or self.sampling)
+
+    def _check_budget(self, length: int, max_new_tokens: int | None) -> int:
+        room = self.max_cache_len - length + 1  # tokens that still fit (the last one is never cached)
+        budget = room if max_new_tokens is None else int(max_new_tokens)
+        if budget < 1 or budget > room:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, {room}] for a prompt of "
+                             f"{length} tokens and max_cache_len={self.max_cache_len}")
+        return budget
+
+    def _prefill_many(self, params, state, prompts: list[np.ndarray], budgets: list[int], keys: list[np.ndarray],
+                      slots: list[int], sampling: SamplingParams, fanout: int | None = None
+                      ) -> tuple[DecodeState, PrefillResult]:
+        """`prefill_many` on checked inputs. `fanout` (a power of two >= the largest group here) fixes the
+        slots-per-row dimension so that every call of a run uses the same shapes."""
+        n = len(prompts)
+        if n == 0:
+            empty = np.zeros(0, np.float32)
+            return state, PrefillResult(np.zeros(0, np.int32), empty, empty, np.zeros(0, bool), 0, 0, 0, 0)
+        rows: dict[bytes, list[int]] = {}  # distinct prompt -> its requests
+        for i, ids in enumerate(prompts):
+            rows.setdefault(ids.tobytes(), []).append(i)
+        f = fanout or _pow2_ceil(max(len(g) for g in rows.values()))
+        groups = [g[j:j + f] for g in rows.values() for j in range(0, len(g), f)]  # rows of <= F requests
+        outs, plan_rows, tokens_real, padded = [], [], 0, 0
+        for length, members in self.plan_prefill([len(prompts[g[0]]) for g in groups]):
+            r = _pow2_ceil(len(members))
+            tok = np.zeros((r, length), np.int32)
+            lens = np.ones((r,), np.int32)
+            sl = np.full((r, f), self._slots, np.int32)  # >= slots: unused, dropped
+            ks = np.zeros((r, f, 2), np.uint32)
+            bud = np.ones((r, f), np.int32)
+            for row, gi in enumerate(members):
+                ids = prompts[groups[gi][0]]
+                tok[row, :ids.size], lens[row] = ids, ids.size
+                tokens_real += ids.size
+                for j, i in enumerate(groups[gi]):
+                    sl[row, j], ks[row, j], bud[row, j] = slots[i], keys[i], budgets[i]
+            state, out = self._prefill_rows_jit(params, state, tok, lens, sl, ks, bud, sampling=sampling,
+                                                eos_ids=self.eos_token_ids)
+            outs.append(out)
+            plan_rows.append([groups[gi] for gi in members])
+            padded += r * length
+        res = PrefillResult(np.zeros(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.float32),
+                            np.zeros(n, bool), len(outs), len(groups), tokens_real, padded)
+        for (tok, lp, slp, done), members in zip(jax.device_get(outs), plan_rows):  # one host copy
+            for row, group in enumerate(members):
+                for j, i in enumerate(group):
+                    res.tokens[i], res.logprobs[i] = tok[row, j], lp[row, j]
+                    res.sampling_logprobs[i], res.done[i] = slp[row, j], done[row, j]
+        return state, res
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         if not 0 <= int(slot) < self._slots:
@@ -481,7 +625,8 @@ class PolicyEngine:
 
     def compile_count(self) -> int:
         """Executables compiled so far, over all jitted entry points (tests: no recompiles)."""
-        fns = (self._prefill_jit, self._insert_jit, self._generate_jit, self._steps_jit, self._free_jit)
+        fns = (self._prefill_jit, self._insert_jit, self._prefill_rows_jit, self._generate_jit, self._steps_jit,
+               self._free_jit)
         return sum(f._cache_size() for f in fns)
 
     def run(self, params: Any, requests: Sequence[Request], *, sampling: SamplingParams | None = None,
@@ -489,14 +634,25 @@ class PolicyEngine:
             on_tokens: Callable[[int], None] | None = None) -> tuple[list[Completion], RunStats]:
         """Continuous batching: decode every request, refilling a slot as soon as it frees.
 
-        Tokens of a request depend only on its prompt, key, params and sampling, never on
-        the slot or on its neighbours. `on_tokens(n)` reports progress."""
+        Free slots are refilled together by `prefill_many` (batched, one prefill row per distinct
+        prompt). Tokens of a request depend only on its prompt, key, params and sampling, never on
+        the slot or on its neighbours; its log-probs too, up to float rounding (last ulp) of the
+        prefill batch's shape. `on_tokens(n)` reports progress."""
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         sampling = sampling or self.sampling
         stops = [list(s) for s in stop_sequences if len(s)]
+        prompts, budgets = [], []
         for i, r in enumerate(requests):
-            self.check_prompt(r.prompt_ids, what=f"request {i} prompt")
+            prompts.append(self.check_prompt(r.prompt_ids, what=f"request {i} prompt"))
+            budgets.append(self._check_budget(len(prompts[-1]), r.max_new_tokens))
+        keys = [_host_key(r.key) for r in requests]
+        # One slots-per-row width for the whole run (same shapes every call): the largest group of equal
+        # prompts, capped by the slots.
+        counts: dict[bytes, int] = {}
+        for ids in prompts:
+            counts[ids.tobytes()] = counts.get(ids.tobytes(), 0) + 1
+        fanout = _pow2_ceil(min(max(counts.values(), default=1), self._slots))
         out: list[Completion | None] = [None] * len(requests)
         stats = RunStats()
         pending = deque(range(len(requests)))
@@ -508,30 +664,30 @@ class PolicyEngine:
             slot_req[slot] = None
 
         while pending or any(r is not None for r in slot_req):
-            for slot in range(self._slots):  # refill free slots
-                if slot_req[slot] is not None or not pending:
-                    continue
-                i = pending.popleft()
-                r = requests[i]
+            free = [slot for slot in range(self._slots) if slot_req[slot] is None]
+            if free and pending:  # refill every free slot in as few batched prefill calls as the budget allows
+                take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
                 t0 = time.perf_counter()
-                prefix, _ = self.prefill(params=params, padded_tokens=np.asarray(r.prompt_ids, np.int32),
-                                         true_length=len(r.prompt_ids), rng=r.key,
-                                         max_new_tokens=r.max_new_tokens, sampling=sampling)
-                state = self.insert(prefix, state, slot)
-                tok, lp, slp, done = jax.device_get((prefix.token, prefix.logprob, prefix.sampling_logprob,
-                                                     prefix.done))
+                state, first = self._prefill_many(params, state, [prompts[i] for i in take],
+                                                  [budgets[i] for i in take], [keys[i] for i in take],
+                                                  free[:len(take)], sampling, fanout)
                 stats.prefill_seconds += time.perf_counter() - t0
-                stats.prefills += 1
-                stats.tokens_decoded += 1
-                out[i] = Completion([int(tok)], [float(lp)], [float(slp)], "")
-                slot_req[slot] = i
+                stats.prefills += len(take)
+                stats.prefill_calls += first.calls
+                stats.prefill_rows += first.rows
+                stats.prefill_tokens += first.tokens_prefilled
+                stats.tokens_decoded += len(take)
+                for n, (i, slot) in enumerate(zip(take, free)):
+                    tok = int(first.tokens[n])
+                    out[i] = Completion([tok], [float(first.logprobs[n])], [float(first.sampling_logprobs[n])], "")
+                    slot_req[slot] = i
+                    if first.done[n]:
+                        finish(slot, "eos" if tok in self.eos_token_ids else "budget")
+                    elif _ends_with_stop(out[i].tokens, stops):
+                        state = self.free_slot(state, slot)
+                        finish(slot, "stop")
                 if on_tokens:
-                    on_tokens(1)
-                if done:
-                    finish(slot, "eos" if int(tok) in self.eos_token_ids else "budget")
-                elif _ends_with_stop(out[i].tokens, stops):
-                    state = self.free_slot(state, slot)
-                    finish(slot, "stop")
+                    on_tokens(len(take))
             if all(r is None for r in slot_req):
                 continue
             t0 = time.perf_counter()
@@ -546,13 +702,20 @@ class PolicyEngine:
                 if i is None:
                     continue
                 c = out[i]
-                for n in np.flatnonzero(steps.valid[slot]):
-                    c.tokens.append(int(steps.tokens[slot, n]))
-                    c.logprobs.append(float(steps.logprobs[slot, n]))
-                    c.sampling_logprobs.append(float(steps.sampling_logprobs[slot, n]))
-                    new_tokens += 1
-                    if _ends_with_stop(c.tokens, stops):  # trim anything decoded past the stop sequence
-                        break
+                idx = np.flatnonzero(steps.valid[slot])
+                if stops:  # token by token: trim anything decoded past the stop sequence
+                    for n in idx:
+                        c.tokens.append(int(steps.tokens[slot, n]))
+                        c.logprobs.append(float(steps.logprobs[slot, n]))
+                        c.sampling_logprobs.append(float(steps.sampling_logprobs[slot, n]))
+                        new_tokens += 1
+                        if _ends_with_stop(c.tokens, stops):
+                            break
+                else:
+                    c.tokens += steps.tokens[slot, idx].tolist()
+                    c.logprobs += steps.logprobs[slot, idx].tolist()
+                    c.sampling_logprobs += steps.sampling_logprobs[slot, idx].tolist()
+                    new_tokens += idx.size
                 if stops and _ends_with_stop(c.tokens, stops) and not (
                         done[slot] and c.tokens[-1] in self.eos_token_ids):
                     state = self.free_slot(state, slot)

@@ -7,6 +7,8 @@ samples of each new prompt. A sample ends the step as
   1. "eos"       EOS / stop sequence (or the length oracle)  -> experience pool,
   2. segment     budget used, total < global_max_len         -> unfinished pool,
   3. "length"    global_max_len reached (truncated, reward 0) -> experience pool.
+The engine prefills a step's samples in a few batched calls (`PolicyEngine.prefill_many`, capped by its
+`prefill_token_budget`); a new prompt's n samples share one prefill of the prompt.
 Every response token keeps the policy version that generated it and its
 log-prob (SAIS, ULORL.md §2). A prompt's n samples form a group; the group is
 trainable once all n have ended (GRPO needs the whole group, §4).
@@ -19,6 +21,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 
 from ulorl_jax.decode.engine import PolicyEngine, Request
 from ulorl_jax.decode.sampling import SamplingParams
@@ -147,9 +150,30 @@ class RolloutStepReport:
     decode_seconds: float
     prefill_seconds: float
     slot_occupancy: float
+    prefill_calls: int = 0  # batched prefill calls (engine.prefill_many)
+    prefill_rows: int = 0  # distinct prompts prefilled (a new group's n samples share one)
 
     def metrics(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "ended"}
+
+
+@jax.jit
+def _fold_keys(key, uids, progress):  # [N] each -> [N] keys: fold_in(fold_in(key, uid), progress)
+    return jax.vmap(lambda u, n: jax.random.fold_in(jax.random.fold_in(key, u), n))(uids, progress)
+
+
+def sample_keys(key, uids: Sequence[int], progress: Sequence[int]) -> list[np.ndarray]:
+    """Per sample `fold_in(fold_in(key, uid), tokens generated so far)` as raw uint32 [2] host arrays,
+    in one jitted call (padded to a power of two: a few shapes), not 2 dispatches per sample."""
+    n = len(uids)
+    if n == 0:
+        return []
+    size = 1 << (n - 1).bit_length()
+    pad = lambda x: np.pad(np.asarray(x, np.uint32), (0, size - n))  # noqa: E731
+    keys = _fold_keys(key, pad(uids), pad(progress))
+    if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        keys = jax.random.key_data(keys)
+    return list(np.asarray(keys, np.uint32)[:n])
 
 
 class SegmentRollout:
@@ -232,12 +256,12 @@ class SegmentRollout:
         batch = self.unfinished_pool + self.new_samples(new_prompts)
         self.unfinished_pool = []
         key = jax.random.PRNGKey(rng) if isinstance(rng, int) else rng
+        # The key depends on the sample and its progress only, never on slot or batch order.
+        keys = sample_keys(key, [s.uid for s in batch], [len(s.response_ids) for s in batch])
         requests, targets = [], []
-        for s in batch:
+        for s, k in zip(batch, keys):
             budget, target = self._budget(s)
             targets.append(target)
-            # The key depends on the sample and its progress only, never on slot or batch order.
-            k = jax.random.fold_in(jax.random.fold_in(key, s.uid), len(s.response_ids))
             requests.append(Request(s.prompt_ids + s.response_ids, budget, k))
         completions, stats = self.engine.run(params, requests, sampling=cfg.sampling,
                                              stop_sequences=cfg.stop_sequences, steps_per_call=self.steps_per_call,
@@ -266,4 +290,5 @@ class SegmentRollout:
             carried=len(self.unfinished_pool), truncated=truncated,
             unfinished_pool_size=len(self.unfinished_pool), experience_pool_size=len(self.experience_pool),
             decode_seconds=stats.decode_seconds, prefill_seconds=stats.prefill_seconds,
-            slot_occupancy=stats.slot_occupancy)
+            slot_occupancy=stats.slot_occupancy, prefill_calls=stats.prefill_calls,
+            prefill_rows=stats.prefill_rows)

@@ -150,7 +150,8 @@ def run_eval(cfg, loaded, prompts: list[PromptItem], plan: EvalPlan, *, seed: in
     sampling = eval_sampling_params(cfg)
     max_len = plan.max_prompt_len + plan.max_new_tokens
     engine = PolicyEngine(loaded.model, max_concurrent_decodes=plan.slots, max_prefill_length=max_len,
-                          max_cache_len=max_len, prefill_buckets=cfg.rollout.prefill_buckets, sampling=sampling,
+                          max_cache_len=max_len, prefill_buckets=cfg.rollout.prefill_buckets,
+                          prefill_token_budget=cfg.rollout.prefill_token_budget, sampling=sampling,
                           eos_token_ids=eos_ids(loaded.tokenizer), tokenizer=loaded.tokenizer)
     scorer = build_scorer(cfg)
     try:

@@ -259,6 +259,7 @@ class Trainer:
         max_len = self.max_prompt_len + max(r.global_max_len, eval_len)
         self.engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len,
                                    max_cache_len=max_len, prefill_buckets=r.prefill_buckets,
+                                   prefill_token_budget=r.prefill_token_budget,
                                    sampling=rollout_cfg.sampling, eos_token_ids=rollout_cfg.eos_token_ids,
                                    tokenizer=self.tokenizer,
                                    # one process: decode on the learner's mesh with its sharded params; several:

@@ -1,0 +1,88 @@
+"""Where the engine keeps its KV cache: the one interface between the engine and the cache layout.
+
+Today's layout is contiguous slot rows: one pre-allocated `KVCache` [slots, max_cache_len] per engine,
+a request's keys / values at positions 0..length-1 of its slot's row. The engine (and nothing above
+it: the rollout never sees a cache) touches the cache only through these functions, so a paged
+layout (block tables into a shared page pool) replaces this module, not the engine's callers:
+
+    init_slots(model, slots, max_len)          an empty cache for every slot
+    prefill_cache(model, rows, length)         a scratch cache for a prefill batch [rows, length]
+    insert_prefix(cache, prefix_cache, slot)   one prefilled request into one slot (JetStream's insert)
+    insert_rows(cache, rows_cache, slots)      a prefill batch's rows into their slots, one call;
+                                               a slot index >= slots drops the row (padding)
+    cache_specs(cache, mesh, rows)             its PartitionSpecs on a mesh
+
+All are pure and jit-safe.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ulorl_jax.models.qwen3 import KVCache
+from ulorl_jax.sharding import DEFAULT_PARAM_RULES, axis_size
+
+
+def init_slots(model, slots: int, max_len: int) -> KVCache:
+    """An empty cache of `slots` rows of `max_len` positions."""
+    return model.init_cache(slots, max_len)
+
+
+def prefill_cache(model, rows: int, length: int) -> KVCache:
+    """A fresh scratch cache for a prefill batch of `rows` rows padded to `length` tokens."""
+    return model.init_cache(rows, length)
+
+
+def insert_prefix(cache: KVCache, prefix: KVCache, slot) -> KVCache:
+    """Copy a one-row prefix cache [1, L <= S] into row `slot` of `cache` [B, S]; the rest of the row is
+    zeroed (segment id 0: never attended to)."""
+    s, length = cache.max_len, prefix.max_len
+
+    def put_row(full, row):  # full [B, S, ...], row [1, L, ...] -> slot's row = row, zero-padded to S
+        pad = [(0, 0), (0, s - length)] + [(0, 0)] * (row.ndim - 2)
+        return jax.lax.dynamic_update_slice_in_dim(full, jnp.pad(row, pad).astype(full.dtype), slot, axis=0)
+
+    return KVCache(
+        k=tuple(put_row(a, b) for a, b in zip(cache.k, prefix.k)),
+        v=tuple(put_row(a, b) for a, b in zip(cache.v, prefix.v)),
+        segment_ids=put_row(cache.segment_ids, prefix.segment_ids),
+        index=cache.index.at[slot].set(prefix.index[0]),
+        position=cache.position.at[slot].set(prefix.position[0]),
+    )
+
+
+def insert_rows(cache: KVCache, rows: KVCache, slots: jnp.ndarray) -> KVCache:
+    """Copy row r of `rows` [R, L <= S] into row slots[r] of `cache` [B, S] for every r in one scatter;
+    rows whose slot is out of range (>= B: padding rows of a prefill batch) are dropped. Keys / values
+    are written at positions [0, L) only (a scatter of the rows' size, not of whole slot rows: the
+    cost does not grow with max_cache_len); the slot's segment ids are rewritten whole, so whatever
+    an earlier request left past L is never attended to (segment id 0)."""
+    s = cache.max_len
+    length = rows.max_len
+    pos = jnp.arange(length, dtype=jnp.int32)[None, :]  # [1, L]
+    at = (slots[:, None], pos)  # scatter indices [R, L]
+
+    def put(full, part):  # full [B, S, K, Dh], part [R, L, K, Dh]
+        return full.at[at].set(part.astype(full.dtype), mode="drop")
+
+    seg = jnp.pad(rows.segment_ids, [(0, 0), (0, s - length)])  # [R, S]
+    return KVCache(
+        k=tuple(put(a, r) for a, r in zip(cache.k, rows.k)),
+        v=tuple(put(a, r) for a, r in zip(cache.v, rows.v)),
+        segment_ids=cache.segment_ids.at[slots].set(seg.astype(cache.segment_ids.dtype), mode="drop"),
+        index=cache.index.at[slots].set(rows.index, mode="drop"),
+        position=cache.position.at[slots].set(rows.position, mode="drop"),
+    )
+
+
+def cache_specs(cache: KVCache, mesh, rows) -> KVCache:
+    """PartitionSpecs: slots over `rows` (mesh axes or None), heads over the kv_heads rule when they
+    divide, positions and head_dim whole."""
+    heads = DEFAULT_PARAM_RULES["kv_heads"]
+    kv_heads = cache.k[0].shape[2] if cache.k else 0
+    heads = heads if heads is not None and kv_heads % axis_size(mesh, heads) == 0 else None
+    kv = P(rows, None, heads, None)
+    return KVCache(k=tuple(kv for _ in cache.k), v=tuple(kv for _ in cache.v), segment_ids=P(rows, None),
+                   index=P(rows), position=P(rows))
