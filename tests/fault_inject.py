@@ -3,7 +3,8 @@
     python tests/fault_inject.py KIND:N -- train --config tiny_cpu --run-dir DIR [...]
 
 KIND (N counts calls within this process, from 1):
-  kill-rollout      SIGKILL before the N-th engine insert (mid rollout: some samples of the step prefilled)
+  kill-rollout      SIGKILL before the N-th batched prefill of the engine (mid rollout: some samples of the
+                    step prefilled and decoding, others not yet admitted)
   kill-learner      SIGKILL right after the N-th learner update (new weights in memory, not yet saved)
   kill-ckpt-write   SIGKILL when the N-th checkpoint has written some items but not `params` (half written)
   kill-ckpt-commit  SIGKILL when the N-th checkpoint is fully written, just before its atomic rename
@@ -45,14 +46,14 @@ def install(kind: str, n: int) -> None:
         return calls["count"] >= n
 
     if kind == "kill-rollout":
-        insert = PolicyEngine.insert
+        prefill_many = PolicyEngine._prefill_many  # what run() and prefill_many() both go through
 
-        def patched_insert(self, *args, **kwargs):
+        def patched_prefill_many(self, *args, **kwargs):
             if nth():
                 _die()
-            return insert(self, *args, **kwargs)
+            return prefill_many(self, *args, **kwargs)
 
-        PolicyEngine.insert = patched_insert
+        PolicyEngine._prefill_many = patched_prefill_many
     elif kind == "kill-learner":
         apply = Learner.apply
 
