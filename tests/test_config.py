@@ -90,6 +90,13 @@ def test_unknown_yaml_key_names_full_path_and_closest(tmp_path):
         load_config(str(path))
 
 
+def test_wrong_container_in_yaml_names_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer: {seed: 3}\ndata: {chat_template_kwargs: [1], train_files: [a.jsonl]}\n")
+    with pytest.raises(ConfigError, match=r"data\.chat_template_kwargs=\[1\] \(in .*bad\.yaml\): expected dict"):
+        load_config(str(path))
+
+
 def test_unknown_section_in_yaml(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("rolout: {n: 4}\n")
@@ -115,6 +122,10 @@ def test_unknown_override_names_closest_key(override, closest):
     ("logging.wandb=maybe", r"logging\.wandb='maybe'.*expected bool"),
     ("optim.betas=[0.9]", r"optim\.betas=.*expected tuple\[float, float\]"),
     ("eval.k=null", r"eval\.k='null'.*expected int"),
+    # a list where a mapping goes and the reverse (OmegaConf >= 2.4 raises a bare TypeError for these)
+    ("data.chat_template_kwargs=[]", r"data\.chat_template_kwargs='\[\]'.*expected dict"),
+    ("data.train_files={a: 1}", r"data\.train_files=.*expected list\[str\]"),
+    ("rollout.prefill_buckets={a: 1}", r"rollout\.prefill_buckets=.*expected list\[int\]"),
 ])
 def test_wrong_type_names_key_value_and_expected(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

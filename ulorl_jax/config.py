@@ -374,7 +374,12 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, raw
 
 
-def _omegaconf_error(err: OmegaConfBaseException, given: dict[str, Any], where: str) -> ConfigError:
+# What a merge raises on a bad value: OmegaConf's own errors, and (OmegaConf >= 2.4) a plain TypeError when a
+# list meets a mapping ("Cannot merge incompatible container types").
+_MERGE_ERRORS = (OmegaConfBaseException, TypeError)
+
+
+def _omegaconf_error(err: Exception, given: dict[str, Any], where: str) -> ConfigError:
     key = getattr(err, "full_key", None) or ""
     if key not in SCHEMA and len(given) == 1:  # e.g. a tuple length error carries no key
         key = next(iter(given))
@@ -408,10 +413,29 @@ def _schema_node():
 def _merge_override(merged, key: str, raw: str):
     try:
         return OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={raw}"]))
-    except OmegaConfBaseException as err:
+    except _MERGE_ERRORS as err:
         raise _omegaconf_error(err, {key: raw}, " (in overrides)") from None
     except yaml.YAMLError as err:  # OmegaConf parses the value as YAML
         raise ConfigError(f"override {key}={raw!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
+
+
+def _file_error(merged, err: Exception, given: dict[str, Any], where: str) -> ConfigError:
+    """The error of a failed file merge, naming its key: merged key by key when the error does not say."""
+    if getattr(err, "full_key", None) or len(given) == 1:
+        return _omegaconf_error(err, given, where)
+    for key, value in given.items():
+        try:
+            OmegaConf.merge(merged, OmegaConf.create(_nest(key, value)))
+        except _MERGE_ERRORS as one:
+            return _omegaconf_error(one, {key: value}, where)
+    return _omegaconf_error(err, given, where)
+
+
+def _nest(key: str, value: Any) -> dict[str, Any]:
+    """'a.b.c', v -> {'a': {'b': {'c': v}}}."""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
 
 
 def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> RunConfig:
@@ -427,14 +451,14 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         given.update(_flatten(data))
         try:
             merged = OmegaConf.merge(merged, OmegaConf.create(data))
-        except OmegaConfBaseException as err:
-            raise _omegaconf_error(err, _flatten(data), f" (in {where})") from None
+        except _MERGE_ERRORS as err:
+            raise _file_error(merged, err, _flatten(data), f" (in {where})") from None
     pairs = [_parse_override(item) for item in overrides]
     given.update(pairs)
     if pairs:
         try:  # all at once (OmegaConf merges are slow); one by one only to name a failing override
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs]))
-        except (OmegaConfBaseException, yaml.YAMLError):
+        except (*_MERGE_ERRORS, yaml.YAMLError):
             for key, raw in pairs:
                 merged = _merge_override(merged, key, raw)
     try:
