@@ -250,7 +250,9 @@ VALID = {
     "trainer.total_steps": st.integers(0, 10**6),
     "eval.k": st.integers(1, 1024),
     "checkpoint.keep_last": st.integers(1, 100),
-    "logging.wandb_project": st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-", min_size=1, max_size=12),
+    # a bare word YAML reads as a bool or null (false, yes, off, null, ...) is not a valid project name
+    "logging.wandb_project": st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-", min_size=1, max_size=12).filter(
+        lambda w: w not in {"true", "false", "yes", "no", "on", "off", "y", "n", "null"}),
     # reward.kind=verifier/custom need a second key (tested above).
     **{key: st.sampled_from(allowed) for key, allowed in CHOICES.items() if key != "reward.kind"},
 }
