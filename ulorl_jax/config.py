@@ -42,6 +42,8 @@ __all__ = [
     "shipped_configs", "CHOICES",
 ]
 
+# Where the rollout decodes (decode/placement.py).
+DECODE_MESHES = ("auto", "learner", "replicate", "shard", "first_device")
 # Allowed values of the enum-like string options, by dotted key.
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_impl": ATTENTION_IMPLS,
@@ -50,6 +52,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "data.on_bad_row": ("skip", "error"),
     "rollout.backend": ("engine", "jetstream"),
+    "rollout.decode_mesh": DECODE_MESHES,  # decode/placement.py
     "algorithm.is_mode": ("pois", "sais"),  # ULORL.md §2 (TOIS = pois with one segment)
     "algorithm.mask_mode": ("none", "mpt", "dmmpt"),  # ULORL.md §3
     "algorithm.entropy_mode": ("sample", "batch"),  # per-sample H̄_i (paper) or batch mean
@@ -144,6 +147,10 @@ class RolloutOptions:
     # padded tokens per batched prefill call (rows x bucket): a step's new and continued samples are
     # prefilled in as few calls as this allows (decode/engine.py)
     prefill_token_budget: int = 4096
+    # where the rollout decodes (decode/placement.py): auto = the learner's mesh with one process; with
+    # several, every local device (replicate: whole weights on each; shard: weights split, for a model that
+    # does not fit one device) | learner | replicate | shard | first_device
+    decode_mesh: str = "auto"
 
     @property
     def segment_len(self) -> int:

@@ -11,7 +11,7 @@ into one runtime whose `jax.devices()` lists every process's devices, so a
   On CPU, cross-process collectives need gloo, selected before initialising.
 - `shard_prompts` / `allgather_json` / `DistributedRollout`: each process
   decodes its contiguous share of the step's new prompts with its own engine
-  (its local devices, params from `local_replica`) and keeps its own
+  (on its local devices: `decode/placement.py`) and keeps its own
   unfinished pool; the samples that ended are gathered so every process feeds
   the learner the same global batch (the learner step runs over the global
   mesh). Sample uids are assigned globally (as one process would), so a
@@ -24,7 +24,6 @@ into one runtime whose `jax.devices()` lists every process's devices, so a
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 from typing import Any, Callable, Sequence
@@ -83,7 +82,7 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
 
 def open_collectives() -> None:
     """Set up now, while the processes are in step, the communicators the trainer uses (one device per
-    process: `allgather_json`; every device: the learner and `local_replica` on a 1-axis mesh).
+    process: `allgather_json`; every device: the learner and the decode placement on a 1-axis mesh).
 
     On CPU, gloo gives every process 30 s (not configurable) to join a communicator the first time it
     is used, so a process that reaches its first gather after its peers finish compiling or scoring
@@ -145,25 +144,6 @@ def allgather_json(obj: Any) -> list[Any]:
     return [json.loads(bytes(row[:int(n)]).decode()) for row, n in zip(gathered, sizes[:, 0])]
 
 
-@functools.lru_cache(maxsize=8)
-def _replicate(mesh: Any) -> Callable:
-    """A jitted identity whose outputs are replicated over `mesh` (one per mesh: compiled once)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def local_replica(tree: Any, mesh: Any) -> Any:
-    """Global arrays on `mesh` -> the same values, whole, on this process's first local device.
-
-    An all-gather over the mesh (every process must call it): the engine decodes with local
-    devices only, while the learner's params are sharded over every process's devices."""
-    import jax
-
-    return jax.tree.map(lambda x: x.addressable_data(0), _replicate(mesh)(tree))
-
-
 def _merge_reports(parts: Sequence[dict], ended: list, experience_pool_size: int):
     """One RolloutStepReport for the whole step from every process's `report.metrics()`: counts summed,
     seconds the slowest process's, slot occupancy averaged."""
@@ -176,7 +156,8 @@ def _merge_reports(parts: Sequence[dict], ended: list, experience_pool_size: int
         experience_pool_size=experience_pool_size, decode_seconds=max(p["decode_seconds"] for p in parts),
         prefill_seconds=max(p["prefill_seconds"] for p in parts),
         slot_occupancy=sum(p["slot_occupancy"] for p in parts) / len(parts),
-        prefill_calls=total("prefill_calls"), prefill_rows=total("prefill_rows"))
+        prefill_calls=total("prefill_calls"), prefill_rows=total("prefill_rows"),
+        decode_devices=total("decode_devices"))
 
 
 class DistributedRollout:

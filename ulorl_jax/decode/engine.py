@@ -28,7 +28,8 @@ jetstream.
   (`sharding.mesh_context`), so the MoE runs expert-parallel and Pallas attention
   one kernel call per (slot, head) block, as in the learner; the decode state is
   kept with its slots over the data axes and the KV cache's heads over `tensor`.
-  Pass params sharded on the same mesh (the learner's).
+  Pass params sharded on the same mesh (`decode/placement.py` builds both). `run` spreads
+  its requests over the slot shards (devices), least busy first.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ulorl_jax.decode import cache_layout
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
 from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
-from ulorl_jax.sharding import MESH_AXES, batch_axes_for, context_mesh, mesh_context
+from ulorl_jax.sharding import MESH_AXES, axis_size, batch_axes_for, context_mesh, mesh_context
 
 # --------------------------------------------------------------------------------------
 # JetStream-shaped result containers (same fields / methods as jetstream's engine_api).
@@ -318,6 +319,7 @@ class RunStats:
     generate_calls: int = 0
     slot_steps_used: int = 0  # sum over decode steps of generating slots
     slot_steps_total: int = 0  # decode steps x slots
+    decode_devices: int = 0  # devices that held distinct slots of the decode state
 
     @property
     def slot_occupancy(self) -> float:
@@ -368,6 +370,8 @@ class PolicyEngine:
         g, r = self._graphdef, self._rest
         # Under a mesh of several devices, trace everything under it (see module doc).
         self._sharded = mesh is not None and set(MESH_AXES) <= set(mesh.axis_names) and mesh.size > 1
+        rows = batch_axes_for(self._slots, mesh) if self._sharded else ()
+        self._slot_shards = axis_size(mesh, rows) if rows else 1  # devices holding distinct slots
         traced = (lambda f: mesh_context(f, mesh)) if self._sharded else (lambda f: f)
         self._prefill_jit = jax.jit(traced(lambda p, t, n, c, k, b, *, sampling, eos_ids:
                                            _prefill_impl(g, r, p, t, n, c, k, b, sampling=sampling,
@@ -629,6 +633,23 @@ class PolicyEngine:
                self._free_jit)
         return sum(f._cache_size() for f in fns)
 
+    def _spread(self, free: list[int], slot_req: list) -> list[int]:
+        """`free` reordered so that the next requests go to the least busy slot shards (devices) first:
+        with the slots split over devices, a half-full batch then keeps every device decoding."""
+        if self._slot_shards == 1:
+            return free
+        per = self._slots // self._slot_shards
+        busy = [0] * self._slot_shards
+        for slot, r in enumerate(slot_req):
+            busy[slot // per] += r is not None
+        queues = [deque(x for x in free if x // per == d) for d in range(self._slot_shards)]
+        order = []
+        while len(order) < len(free):
+            d = min((d for d in range(self._slot_shards) if queues[d]), key=lambda d: (busy[d], d))
+            order.append(queues[d].popleft())
+            busy[d] += 1
+        return order
+
     def run(self, params: Any, requests: Sequence[Request], *, sampling: SamplingParams | None = None,
             stop_sequences: Sequence[Sequence[int]] = (), steps_per_call: int = 8,
             on_tokens: Callable[[int], None] | None = None) -> tuple[list[Completion], RunStats]:
@@ -658,13 +679,15 @@ class PolicyEngine:
         pending = deque(range(len(requests)))
         slot_req: list[int | None] = [None] * self._slots
         state = self.init_decode_state()
+        stats.decode_devices = len({tuple((i.start, i.stop) for i in s.index)
+                                    for s in state.tokens.addressable_shards})
 
         def finish(slot, stop):
             out[slot_req[slot]].stop = stop
             slot_req[slot] = None
 
         while pending or any(r is not None for r in slot_req):
-            free = [slot for slot in range(self._slots) if slot_req[slot] is None]
+            free = self._spread([slot for slot in range(self._slots) if slot_req[slot] is None], slot_req)
             if free and pending:  # refill every free slot in as few batched prefill calls as the budget allows
                 take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
                 t0 = time.perf_counter()

@@ -152,6 +152,7 @@ class RolloutStepReport:
     slot_occupancy: float
     prefill_calls: int = 0  # batched prefill calls (engine.prefill_many)
     prefill_rows: int = 0  # distinct prompts prefilled (a new group's n samples share one)
+    decode_devices: int = 0  # devices that decoded distinct slots (summed over processes)
 
     def metrics(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "ended"}
@@ -291,4 +292,4 @@ class SegmentRollout:
             unfinished_pool_size=len(self.unfinished_pool), experience_pool_size=len(self.experience_pool),
             decode_seconds=stats.decode_seconds, prefill_seconds=stats.prefill_seconds,
             slot_occupancy=stats.slot_occupancy, prefill_calls=stats.prefill_calls,
-            prefill_rows=stats.prefill_rows)
+            prefill_rows=stats.prefill_rows, decode_devices=stats.decode_devices)

@@ -44,9 +44,10 @@ from ulorl_jax.config import RunConfig, config_to_yaml
 from ulorl_jax.data.sources import ProblemStream, SyntheticTask, eval_prompts, prompt_file_stream
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.jetstream_backend import make_segment_rollout
+from ulorl_jax.decode.placement import decode_placement, weight_bytes
 from ulorl_jax.decode.sampling import SamplingParams
 from ulorl_jax.decode.segment import RolloutConfig, Sample
-from ulorl_jax.distributed import DistributedRollout, local_replica
+from ulorl_jax.distributed import DistributedRollout
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
 from ulorl_jax.rl.advantages import dynamic_sampling_report, grpo_advantages
@@ -251,6 +252,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.mesh = build_mesh(cfg)
         self.learner = Learner(model, learner_config(cfg), self.mesh)
+        self.placement = decode_placement(r.decode_mesh, self.mesh, self.learner.params)
+        log.info("rollout decodes on %s (rollout.decode_mesh=%s)",
+                 self.placement.describe(weight_bytes(self.learner.params)), r.decode_mesh)
         rollout_cfg = RolloutConfig(global_max_len=r.global_max_len, num_segments=r.num_segments,
                                     samples_per_prompt=r.n, max_prompt_len=self.max_prompt_len,
                                     eos_token_ids=eos_ids(self.tokenizer), sampling=sampling_params(cfg))
@@ -261,10 +265,7 @@ class Trainer:
                                    max_cache_len=max_len, prefill_buckets=r.prefill_buckets,
                                    prefill_token_budget=r.prefill_token_budget,
                                    sampling=rollout_cfg.sampling, eos_token_ids=rollout_cfg.eos_token_ids,
-                                   tokenizer=self.tokenizer,
-                                   # one process: decode on the learner's mesh with its sharded params; several:
-                                   # each process's engine is local (`decode_params`)
-                                   mesh=self.mesh if jax.process_count() == 1 else None)
+                                   tokenizer=self.tokenizer, mesh=self.placement.engine_mesh)
         self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
                                             length_oracle=length_oracle)
         self.process_count = jax.process_count()
@@ -357,11 +358,9 @@ class Trainer:
     # -- one RL step -------------------------------------------------------------------
 
     def decode_params(self):
-        """The params the engine decodes with: the learner's own arrays (one process; no copy), or,
-        with several processes, a whole copy on this process's first device (the engine is local)."""
-        if self.process_count == 1:
-            return self.learner.params
-        return local_replica(self.learner.params, self.mesh)
+        """The params the engine decodes with (`decode/placement.py`): the learner's own arrays, or their
+        copies on this process's decode mesh (a collective: every process calls it)."""
+        return self.placement.params(self.learner.params)
 
     def _score(self, samples: list[Sample], times: StepTimes) -> list[float]:
         t0 = time.perf_counter()
@@ -527,6 +526,7 @@ class Trainer:
             "rollout_tokens": decoded,
             "rollout_tokens_per_s": decoded / max(times.rollout, 1e-9),
             "slot_occupancy": float(np.mean([r.slot_occupancy for r in reports])) if reports else None,
+            "decode_devices": max((r.decode_devices for r in reports), default=0),  # over every process
             "time_rollout": times.rollout, "time_reward": times.reward, "time_learn": times.learn,
             "time_sync": times.sync,
         }
