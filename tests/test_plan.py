@@ -99,3 +99,28 @@ def test_memory_figure_within_factor_of_measured_peak():
         print(f"{layers}: planned transient {transient / 2**20:.1f} MiB, measured RSS growth "
               f"{m['rss_growth_bytes'] / 2**20:.1f} MiB, ratio {ratio:.2f}")
         assert 0.5 <= ratio <= 2.0, layers
+
+
+@pytest.mark.parametrize("mesh_shape", [dict(data=4, fsdp=1, tensor=2), dict(data=2, fsdp=4)])
+def test_decode_state_bytes_follow_the_engine_layout(mesh_shape):
+    """`plan`'s decode-state bytes per device are those of the engine's own state on the same mesh
+    (the KV cache split over slots and, with tensor > 1, over KV heads)."""
+    import jax
+
+    from ulorl_jax.decode.engine import PolicyEngine
+    from ulorl_jax.models import init_model, tiny_config
+    from ulorl_jax.plan import compile_decode_step
+    from ulorl_jax.sharding import MeshConfig, make_mesh
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices; see tests/conftest.py")
+    cfg = tiny_config("qwen3", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8)
+    mesh = make_mesh(MeshConfig(**mesh_shape))
+    planned = compile_decode_step(cfg, mesh, slots=8, cache_len=32, compile=False)
+    engine = PolicyEngine(init_model(cfg), max_concurrent_decodes=8, max_prefill_length=16, max_cache_len=32,
+                          mesh=mesh)
+    state = engine.init_decode_state()
+    per_device = sum(max(s.data.nbytes for s in x.addressable_shards) for x in jax.tree.leaves(state))
+    whole = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert planned["decode_state_bytes"] == per_device < whole

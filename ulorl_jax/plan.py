@@ -176,30 +176,20 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
 
 
 def compile_decode_step(model_config, mesh, slots: int, cache_len: int, compile: bool = True) -> dict:
-    """Lower + compile one engine decode step (all slots generate one token) on `mesh`."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
+    """Lower + compile one engine decode step (all slots generate one token) on `mesh`, with the decode
+    state laid out as the engine lays it out (`decode_state_specs`)."""
     from ulorl_jax.decode.engine import PolicyEngine
     from ulorl_jax.decode.sampling import SamplingParams
-    from ulorl_jax.sharding import BATCH_AXES, axis_size, param_shardings
+    from ulorl_jax.sharding import param_shardings
 
     _, params, _, model = abstract_model(model_config)
     engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=min(cache_len, 16),
-                          max_cache_len=cache_len, mesh=mesh)
+                          max_cache_len=cache_len, mesh=mesh, sampling=SamplingParams(temperature=1.0),
+                          eos_token_ids=(0,))
     params_sds = _sds(params, param_shardings(params, mesh))
-    state = jax.eval_shape(engine.init_decode_state)
-    shards = axis_size(mesh, BATCH_AXES)
-
-    def shard(x):
-        if x.ndim and x.shape[0] == slots and slots % shards == 0:
-            return NamedSharding(mesh, P(BATCH_AXES, *([None] * (x.ndim - 1))))
-        return NamedSharding(mesh, P())
-
-    state_sds = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard(x)), state)
+    state_sds = engine.abstract_decode_state()
     t0 = time.perf_counter()
-    lowered = engine._steps_jit.lower(params_sds, state_sds, num_steps=1, sampling=SamplingParams(temperature=1.0),
-                                      eos_ids=(0,))
+    lowered = engine.lower_generate_steps(params_sds, state_sds, num_steps=1)
     state_bytes = {"param_bytes": sharded_bytes(params_sds), "decode_state_bytes": sharded_bytes(state_sds)}
     if not compile:
         return {**state_bytes, "lower_s": time.perf_counter() - t0}

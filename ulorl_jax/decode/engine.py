@@ -623,6 +623,22 @@ class PolicyEngine:
         return self._steps_jit(params, decode_state, num_steps=int(num_steps), sampling=sampling or self.sampling,
                                eos_ids=self.eos_token_ids)
 
+    def lower_generate_steps(self, params: Any, decode_state: Any, num_steps: int = 1,
+                             sampling: SamplingParams | None = None):
+        """`generate_steps` lowered (not run) for these (abstract) params and state: for `ulorl plan`'s
+        memory and FLOP figures. `abstract_decode_state` gives the state as the engine lays it out."""
+        return self._steps_jit.lower(params, decode_state, num_steps=int(num_steps),
+                                     sampling=sampling or self.sampling, eos_ids=self.eos_token_ids)
+
+    def abstract_decode_state(self) -> DecodeState:
+        """The decode state's shapes, dtypes and (on a mesh) shardings, without allocating it."""
+        state = jax.eval_shape(self.init_decode_state)
+        if not self._sharded:
+            return state
+        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=NamedSharding(self._mesh, spec)),
+                            state, decode_state_specs(state, self._mesh))
+
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Mark a slot finished (e.g. a stop sequence seen on the host)."""
         return self._free_jit(decode_state, jnp.int32(slot))
