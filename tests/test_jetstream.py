@@ -200,7 +200,7 @@ def test_thread_failure_is_contained(engine, prompts):
     assert jb.decode_with_jetstream(engine, engine.load_params(), prompts[:1], 2, sampling=GREEDY)
 
 
-def test_missing_jetstream_is_a_clear_error(monkeypatch, capsys):
+def test_missing_jetstream_is_a_clear_error(monkeypatch, capsys, tmp_path):
     """Runs with or without the extra: the error says what to install (and what never to)."""
     from ulorl_jax.cli import main
 
@@ -210,5 +210,6 @@ def test_missing_jetstream_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(jb, "import_jetstream", jb.import_jetstream.__wrapped__)
     with pytest.raises(jb.JetStreamUnavailable, match="jetstream-pt"):
         jb.make_segment_rollout(None, None, rollout_backend="jetstream")
-    assert main(["serve", "--model", "/nonexistent"]) == 2
+    (tmp_path / "config.json").write_text("{}")  # a model folder as far as `serve`'s option check goes
+    assert main(["serve", "--model", str(tmp_path)]) == 2
     assert "pip install" in capsys.readouterr().err

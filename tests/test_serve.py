@@ -19,11 +19,9 @@ import pytest
 
 from ulorl_jax.decode import jetstream_backend as jb
 
-pytestmark = [
-    pytest.mark.skipif(not jb.jetstream_available(),
-                       reason="google-jetstream is not installed (pip install -e '.[jetstream]'); CI installs it"),
-    pytest.mark.slow,
-]
+pytestmark = pytest.mark.slow
+needs_jetstream = pytest.mark.skipif(not jb.jetstream_available(), reason="google-jetstream is not installed "
+                                     "(pip install -e '.[jetstream]'); CI installs it")
 
 VOCAB, EOS, MAX_PREFILL, CACHE = 97, 0, 16, 32
 WORDS = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
@@ -87,6 +85,7 @@ def _wait_for(lines, proc, needle, timeout):
     raise AssertionError(f"no {needle!r} from `ulorl serve` within {timeout}s; output:\n" + "".join(seen[-40:]))
 
 
+@needs_jetstream
 def test_serve_grpc_roundtrip(model_dir):
     import grpc
 
@@ -148,6 +147,7 @@ def test_serve_grpc_roundtrip(model_dir):
 
 
 def test_serve_bad_options_are_clear(model_dir, capsys):
+    """Bad options and a missing model are named before JetStream is imported: with or without the extra."""
     from ulorl_jax.cli import main
 
     assert main(["serve", "--model", str(model_dir), "--max-prefill-length", "64", "--max-cache-len", "32"]) == 2

@@ -104,11 +104,9 @@ class Server:
         self._shutdown_loop()
 
 
-def _build_engine(args):
-    from ulorl_jax.decode.engine import PolicyEngine
+def _check_options(args):
+    """The options' own errors and the model source, before the slow JetStream import and model load."""
     from ulorl_jax import model_source
-    from ulorl_jax.decode.generate import eos_ids
-    from ulorl_jax.decode.sampling import SamplingParams
 
     for name in ("max_concurrent_decodes", "max_prefill_length", "max_cache_len"):
         if getattr(args, name) < 1:
@@ -119,8 +117,17 @@ def _build_engine(args):
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_requests < 0 or args.shutdown_after < 0:
         raise ValueError("--max-requests and --shutdown-after must be >= 0")
+    return model_source.resolve(args.model)
+
+
+def _build_engine(args, source):
+    from ulorl_jax import model_source
+    from ulorl_jax.decode.engine import PolicyEngine
+    from ulorl_jax.decode.generate import eos_ids
+    from ulorl_jax.decode.sampling import SamplingParams
+
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    loaded = model_source.load(model_source.resolve(args.model), dtype=args.dtype)
+    loaded = model_source.load(source, dtype=args.dtype)
     tokenizer, model = loaded.tokenizer, loaded.model
     eos = tuple(args.eos_token_id) if args.eos_token_id else eos_ids(model.config, tokenizer)
     return PolicyEngine(model, max_concurrent_decodes=args.max_concurrent_decodes,
@@ -131,11 +138,12 @@ def _build_engine(args):
 def run_cli(args) -> int:
     from ulorl_jax.decode.jetstream_backend import JetStreamUnavailable, import_jetstream, make_driver
 
+    source = _check_options(args)
     try:
         import_jetstream()
     except JetStreamUnavailable as err:
         raise ValueError(str(err)) from None
-    engine = _build_engine(args)
+    engine = _build_engine(args, source)
     driver = make_driver(engine, engine.load_params(), seed=args.seed)
     try:
         server = Server(driver, host=args.host, port=args.port,
