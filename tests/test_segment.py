@@ -5,6 +5,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from hf_utils import save_hf_model
 from ulorl_jax.decode.engine import PolicyEngine, Request
@@ -91,6 +92,52 @@ def test_segmented_logprobs_match_unsegmented(engine, reference):
     one, _ = roll_to_end(SegmentRollout(engine, config(1, eos=(eos,))), [PromptItem(0, PROMPTS[1])])
     four, _ = roll_to_end(SegmentRollout(engine, config(4, eos=(eos,))), [PromptItem(0, PROMPTS[1])])
     np.testing.assert_allclose(four[0].logprobs, one[0].logprobs, atol=1e-4)
+
+
+def _greedy_under(model, params, prefix: list[int], n: int) -> list[int]:
+    """Independent reference: `n` greedy tokens after `prefix` by full forwards (no KV cache) with `params`."""
+    m = nnx.clone(model)
+    nnx.update(m, params)
+    seq = list(prefix)
+    for _ in range(n):
+        seq.append(int(jax.numpy.argmax(m(jax.numpy.asarray([seq]))[0, -1])))
+    return seq[len(prefix):]
+
+
+def test_carried_samples_continue_under_the_new_weights(model):
+    """Each step's segment of a carried sample is decoded with that step's weights: tokens equal greedy
+    decoding of (prompt + earlier segments) under the new weights, log-probs their teacher-forced values
+    under them, and the weights change enough that the old ones would pick other tokens."""
+    engine = PolicyEngine(model, max_concurrent_decodes=3, max_prefill_length=32, max_cache_len=40, sampling=GREEDY)
+    base = engine.load_params()
+    leaves, treedef = jax.tree.flatten(base)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    versions = [base] + [jax.tree.unflatten(treedef, [x + 0.3 * x.std() * jax.random.normal(k, x.shape, x.dtype)
+                                                      for x, k in zip(leaves, jax.random.split(keys[v], len(leaves)))])
+                         for v in range(1, 4)]
+    k, seg = 4, GLOBAL // 4
+    rollout = SegmentRollout(engine, config(k))
+    items = [PromptItem(i, p) for i, p in enumerate(PROMPTS[:3])]
+    ended = []
+    for v, params in enumerate(versions):
+        ended += rollout.step(params, items if v == 0 else [], policy_version=v, rng=jax.random.PRNGKey(v)).ended
+    assert not rollout.unfinished_pool and len(ended) == len(items)
+    changed = 0
+    for s in sorted(ended, key=lambda s: s.prompt_index):
+        prompt = PROMPTS[s.prompt_index]
+        assert s.policy_versions == [t // seg for t in range(GLOBAL)]
+        for v, params in enumerate(versions):
+            before = prompt + s.response_ids[:v * seg]
+            assert s.response_ids[v * seg:(v + 1) * seg] == _greedy_under(model, params, before, seg), (s.prompt_index, v)
+            if v and _greedy_under(model, versions[v - 1], before, seg) != s.response_ids[v * seg:(v + 1) * seg]:
+                changed += 1  # the previous weights would have continued differently
+        m = nnx.clone(model)
+        nnx.update(m, versions[-1])
+        seq = prompt + s.response_ids
+        logp = jax.nn.log_softmax(m(jax.numpy.asarray([seq]))[0, len(prompt) - 1:-1])
+        last = [float(logp[t, tok]) for t, tok in enumerate(s.response_ids)][-seg:]
+        np.testing.assert_allclose(s.logprobs[-seg:], last, atol=1e-4)
+    assert changed > 0, "the weight versions decode alike: the test would not see stale weights"
 
 
 @pytest.mark.slow  # several engine compiles: > 20 s on a loaded 2-core box
