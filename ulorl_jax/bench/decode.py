@@ -140,19 +140,19 @@ def run(args) -> dict:
         return first
 
     def one_per_call(reqs):
-        state = engine.init_decode_state()
+        state, first = engine.init_decode_state(), []
         for slot, r in enumerate(reqs):
             prefix, _ = engine.prefill(params=params, padded_tokens=np.asarray(r.prompt_ids), true_length=p_len,
                                        rng=r.key, max_new_tokens=r.max_new_tokens)
             state = engine.insert(prefix, state, slot)
-            jax.device_get((prefix.token, prefix.logprob, prefix.sampling_logprob, prefix.done))
+            first.append(jax.device_get((prefix.token, prefix.logprob, prefix.sampling_logprob, prefix.done)))
         jax.block_until_ready(state)
+        return first
 
     prefill_cases = {"batched": lambda: batched(requests), "one_per_call": lambda: one_per_call(requests),
                      "group_batched": lambda: batched(group), "group_one_per_call": lambda: one_per_call(group)}
     prefill_times = {k: [] for k in prefill_cases}
-    for fn in prefill_cases.values():
-        fn()  # compile
+    firsts = {k: fn() for k, fn in prefill_cases.items()}  # compiles; the first tokens, compared below
     for _ in range(max(3, s["iters"])):
         for k, fn in prefill_cases.items():
             t0 = time.perf_counter()
@@ -162,6 +162,14 @@ def run(args) -> dict:
                for k, v in prefill_times.items()}
     prefill["speedup_batched"] = prefill["one_per_call"]["median_s"] / prefill["batched"]["median_s"]
     prefill["speedup_group"] = prefill["group_one_per_call"]["median_s"] / prefill["group_batched"]["median_s"]
+    # Both ways give each request the same first token (and log-prob up to XLA's batch-shape rounding).
+    for kind in ("", "group_"):
+        batched_first, one = firsts[f"{kind}batched"], firsts[f"{kind}one_per_call"]
+        one_tokens = np.array([int(np.asarray(t).reshape(-1)[0]) for t, *_ in one])
+        one_logprobs = np.array([float(np.asarray(lp).reshape(-1)[0]) for _, lp, *_ in one])
+        prefill[f"{kind}first_tokens_equal"] = bool(np.array_equal(np.asarray(batched_first.tokens), one_tokens))
+        prefill[f"{kind}first_logprob_max_diff"] = float(np.abs(np.asarray(batched_first.logprobs)
+                                                                - one_logprobs).max())
 
     tokens = b * n
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -214,7 +222,9 @@ def format_table(r: dict) -> str:
         f"batched {pf['batched']['tokens_per_s']:,.0f} tok/s vs one request per call "
         f"{pf['one_per_call']['tokens_per_s']:,.0f} tok/s ({pf['speedup_batched']:.1f}x); a group of "
         f"{s['batch']} samples of one prompt: {pf['group_batched']['tokens_per_s']:,.0f} vs "
-        f"{pf['group_one_per_call']['tokens_per_s']:,.0f} tok/s ({pf['speedup_group']:.1f}x)",
+        f"{pf['group_one_per_call']['tokens_per_s']:,.0f} tok/s ({pf['speedup_group']:.1f}x); first tokens "
+        f"equal: {pf['first_tokens_equal'] and pf['group_first_tokens_equal']} (log-probs within "
+        f"{max(pf['first_logprob_max_diff'], pf['group_first_logprob_max_diff']):.1e})",
         f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}, "
         f"transformers {mc['transformers']}; load avg before {mc['loadavg_before']} after {mc['loadavg_after']}; "
         f"{mc['date']}",
