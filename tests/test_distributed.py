@@ -219,22 +219,37 @@ def _initial_params():
     return nnx.state(build_model(cfg, build_tokenizer(cfg), seed=cfg.trainer.seed), nnx.Param)
 
 
-def _checkpoint(run_dir, step: int) -> tuple[list[np.ndarray], dict]:
-    """(params leaves, run meta) of checkpoint `step`."""
-    from trainer_utils import leaves
+def _checkpoint(run_dir, step: int, item: str = "params") -> tuple[list[np.ndarray], dict]:
+    """(leaves of `item`: params or opt_state, run meta) of checkpoint `step`."""
+    import jax
+    import optax
+    from trainer_utils import MOVING, leaves, tiny_config
 
     from ulorl_jax.checkpoint import TrainCheckpointer
+    from ulorl_jax.rl.learner import make_optimizer
+    from ulorl_jax.rl.trainer import learner_config
 
+    target = _initial_params()
+    if item == "opt_state":
+        tx: optax.GradientTransformation = make_optimizer(learner_config(tiny_config(*MOVING, *TRAIN_OVERRIDES)))
+        target = jax.eval_shape(tx.init, target)
     with TrainCheckpointer(Path(run_dir) / "checkpoints", async_save=False) as ckpt:
-        return leaves(ckpt.restore_tree(step, "params", _initial_params())), ckpt.read_meta(step)["user"]
+        return leaves(ckpt.restore_tree(step, item, target)), ckpt.read_meta(step)["user"]
 
 
 def _assert_same_run(two, one, step: int) -> None:
     """Checkpoint `step` of the 2-process run equals the 1-process run's: params within 1e-5 (gloo and
-    in-process all-reduces sum in different orders), the same carried-over samples, split by process."""
+    in-process all-reduces sum in different orders), the optimizer's moments (running means of the gradient
+    and its square: AdamW's step is close to lr x sign(g), so equal params alone would not show a gradient
+    summed wrongly across processes) within 1e-4 of their scale, the same carried-over samples, split by
+    process."""
     (got, meta2), (ref, meta1) = _checkpoint(two, step), _checkpoint(one, step)
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    moments, ref_moments = _checkpoint(two, step, "opt_state")[0], _checkpoint(one, step, "opt_state")[0]
+    assert any(np.abs(m).max() > 0 for m in ref_moments if m.size > 1), "the optimizer state is all zero"
+    for a, b in zip(moments, ref_moments, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(float(np.abs(b).max()), 1e-30))
     pools = meta2["rollout"]["unfinished_pools"]
     assert len(pools) == 2 and all(pools), "each process carries its own samples over"
     _assert_same_samples(sorted((d for p in pools for d in p), key=lambda d: d["uid"]),
@@ -267,7 +282,9 @@ def two_step_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_train_two_processes_equals_one_process(two_step_runs):
-    """`ulorl train` in 2 processes x 4 devices, 2 RL steps == the same run in 1 process x 8 devices."""
+    """`ulorl train` in 2 processes x 4 devices, 2 RL steps == the same run in 1 process x 8 devices; each
+    process decodes on all 4 of its devices (rollout.decode_mesh=auto: replicate), the one process on the
+    learner's 8."""
     from trainer_utils import leaves
 
     from ulorl_jax.metrics import read_metrics
@@ -275,6 +292,8 @@ def test_train_two_processes_equals_one_process(two_step_runs):
     two, one, _ = two_step_runs
     lines, ref = read_metrics(two / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2], "metrics.jsonl is written by process 0 alone"
+    assert [r["decode_devices"] for r in lines] == [8, 8], "4 devices with distinct slots per process, 2 processes"
+    assert [r["decode_devices"] for r in ref] == [8, 8, 8]
     assert all(r["trained_uids"] for r in lines)
     assert [r["trained_uids"] for r in lines] == [r["trained_uids"] for r in ref[:2]]
     assert not list(two.glob("*.tmp")) and (two / "config.yaml").exists()

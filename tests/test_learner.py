@@ -235,6 +235,10 @@ def test_sharded_step_equals_single_device():
     conf = _config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
     ref = Learner(model, conf)
     assert ref.pack(samples)[1]["tokens"].shape[0] == 2  # two micro-batches of 8 rows
+    # The gradients themselves: the AdamW step below is close to lr x sign(g) and would hide a gradient
+    # scaled wrongly on some shard.
+    loss_ref, g_ref = ref.gradients(samples)
+    g_scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g_ref))
     m_ref = ref.update(samples)
     assert m_ref["masked_fraction"] > 0 and m_ref["aux_loss"] > 0
     # Tolerance: same math, different reduction order across shards (float32). Gradients alone on a
@@ -243,6 +247,9 @@ def test_sharded_step_equals_single_device():
         mesh = make_mesh(mesh_cfg)
         sharded = Learner(model, conf, mesh)
         assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(sharded.params))
+        loss, grads = sharded.gradients(samples)
+        np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, err_msg=f"loss {mesh_cfg}")
+        _assert_trees_close(grads, g_ref, 1e-4, 1e-5 * g_scale, f"gradients {mesh_cfg}")
         m = sharded.update(samples)
         for key in ("loss", "grad_norm", "masked_fraction", "entropy", "aux_loss"):
             np.testing.assert_allclose(m[key], m_ref[key], rtol=1e-4, err_msg=f"{key} {mesh_cfg}")

@@ -7,18 +7,24 @@ from __future__ import annotations
 import pytest
 
 from trainer_utils import assert_same_state as _assert_same_state
-from trainer_utils import tiny_config
+from trainer_utils import MOVING, leaves, tiny_config
 from ulorl_jax.metrics import read_metrics
 from ulorl_jax.rl.trainer import Trainer, TrainingError
 
 
 @pytest.mark.slow
 def test_exact_resume_equals_straight_run(tmp_path):
-    cfg = tiny_config("trainer.total_steps=4", "checkpoint.save_every=2")
+    # MOVING: rewards that make every update change the weights, so a bad restore of the weights or of the
+    # optimizer state (moments, step count) shows in the final weights; 2 rollout rounds per step, so the
+    # first update happens before the split (at step 2), and more after it
+    moving = (*MOVING, "trainer.dynamic_sampling_max_rounds=2", "checkpoint.save_every=2")
+    cfg = tiny_config(*moving, "trainer.total_steps=4")
     straight = Trainer(cfg, tmp_path / "straight")
+    initial = leaves(straight.learner.params)
     straight.fit()
-    first = Trainer(tiny_config("trainer.total_steps=2", "checkpoint.save_every=2"), tmp_path / "split")
+    first = Trainer(tiny_config(*moving, "trainer.total_steps=2"), tmp_path / "split")
     first.fit()
+    after_two = leaves(first.learner.params)
     first.close()
     resumed = Trainer(cfg, tmp_path / "split", resume=True)
     assert resumed.step == 2
@@ -26,6 +32,9 @@ def test_exact_resume_equals_straight_run(tmp_path):
     try:
         assert straight.policy_version >= 1, "no update happened: the test would compare nothing"
         assert straight.rollout.unfinished_pool, "nothing carried over: the pools would compare nothing"
+        final = leaves(straight.learner.params)
+        assert any((x != y).any() for x, y in zip(initial, after_two)), "weights did not move before the split"
+        assert any((x != y).any() for x, y in zip(after_two, final)), "weights did not move after the split"
         _assert_same_state(straight, resumed)
         # metrics.jsonl of the resumed run holds each step once, equal to the straight run's
         keep = ("reward_mean", "ended_samples", "pool_unfinished", "trained_samples", "policy_version")
