@@ -438,14 +438,14 @@ def worker_learner(s: dict) -> dict:
                            float(i % 2)) for i in range(rows)]
     t0 = time.perf_counter()
     _, batch = learner.pack(samples)
-    batch = learner._put(batch)
+    batch = learner.put_batch(batch)
     jax.block_until_ready(batch)
     out["pack_put_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compiled = learner._train_step.lower(learner.params, learner.opt_state, batch).compile()
+    compiled = learner.lower_update(samples).compile()
     out["compile_s"] = time.perf_counter() - t0
-    out["compiled_memory"] = plan._memory(compiled)
-    out["xla_flops"] = plan._flops(compiled)
+    out["compiled_memory"] = plan.compiled_memory(compiled)
+    out["xla_flops"] = plan.compiled_flops(compiled)
     params, opt = learner.params, learner.opt_state
     times, metrics = [], None
     for _ in range(s["warmup"] + s["iters"]):

@@ -71,5 +71,5 @@ def test_main_json_is_last_stdout_line(capsys, monkeypatch):
 
 def test_run_accepts_a_namespace_without_bench_only_options():
     """The CLI may hand over its own namespace; missing options fall back to defaults."""
-    s = forward._settings(argparse.Namespace(model_type="qwen3", json=True, func=print))
+    s = forward.settings(argparse.Namespace(model_type="qwen3", json=True, func=print))
     assert s["model_type"] == "qwen3" and s["hidden_size"] == 256 and s["torch_attention"] == "sdpa"

@@ -54,7 +54,7 @@ def test_measured_run_trains_every_sample_exactly_once():
     in-flight counts as the simulation predicts, at most K policy versions per sample."""
     a = _args(segments="1,4", global_max_len=16, prompts_per_step=2, n=2, prompt_len=4, steps=3, steps_per_call=4,
               hidden_size=32, layers=1, vocab=32)
-    s = segments._settings(a)
+    s = segments.settings(a)
     ks, engine, learner = segments.build(s)
     dist = sc.LengthDistribution(16, seed=0)
     for k in ks:

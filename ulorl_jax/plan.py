@@ -108,7 +108,7 @@ def _sds(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _memory(compiled) -> dict[str, int]:
+def compiled_memory(compiled) -> dict[str, int]:
     m = compiled.memory_analysis()
     out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
            "alias_bytes": int(m.alias_size_in_bytes), "temp_bytes": int(m.temp_size_in_bytes)}
@@ -116,7 +116,7 @@ def _memory(compiled) -> dict[str, int]:
     return out
 
 
-def _flops(compiled) -> float:
+def compiled_flops(compiled) -> float:
     try:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -145,14 +145,14 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from ulorl_jax.rl.learner import MICRO_KEYS, _optimizer_shardings, build_train_step, make_optimizer
+    from ulorl_jax.rl.learner import MICRO_KEYS, optimizer_shardings, build_train_step, make_optimizer
     from ulorl_jax.sharding import BATCH_AXES, mesh_context, param_shardings
 
     graphdef, params, other, _ = abstract_model(model_config)
     param_sh = param_shardings(params, mesh)
     tx = make_optimizer(learner_config)
     params_sds = _sds(params, param_sh)
-    opt_sh = _optimizer_shardings(tx, params_sds, param_sh, mesh)
+    opt_sh = optimizer_shardings(tx, params_sds, param_sh, mesh)
     opt_sds = _sds(jax.eval_shape(tx.init, params_sds), opt_sh)
     micro = NamedSharding(mesh, P(None, BATCH_AXES, None))
     rep = NamedSharding(mesh, P())
@@ -172,7 +172,7 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
     if not compile:
         return {**state_bytes, "lower_s": time.perf_counter() - t0}
     compiled = lowered.compile()
-    return {**_memory(compiled), **state_bytes, "xla_flops": _flops(compiled), "compile_s": time.perf_counter() - t0}
+    return {**compiled_memory(compiled), **state_bytes, "xla_flops": compiled_flops(compiled), "compile_s": time.perf_counter() - t0}
 
 
 def compile_decode_step(model_config, mesh, slots: int, cache_len: int, compile: bool = True) -> dict:
@@ -194,7 +194,7 @@ def compile_decode_step(model_config, mesh, slots: int, cache_len: int, compile:
     if not compile:
         return {**state_bytes, "lower_s": time.perf_counter() - t0}
     compiled = lowered.compile()
-    return {**_memory(compiled), **state_bytes, "xla_flops": _flops(compiled), "compile_s": time.perf_counter() - t0}
+    return {**compiled_memory(compiled), **state_bytes, "xla_flops": compiled_flops(compiled), "compile_s": time.perf_counter() - t0}
 
 
 # ---------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def measure_train_step(model_config, learner_config, rows: int, row_len: int, se
     leave the process) next to the compiled memory analysis of the same executable."""
     import numpy as np
 
-    from ulorl_jax.bench.learner import _PeakRSS
+    from ulorl_jax.bench.harness import PeakRSS
     from ulorl_jax.models import init_model
     from ulorl_jax.rl.learner import Learner
     from ulorl_jax.rl.packing import TrainSample
@@ -423,12 +423,12 @@ def measure_train_step(model_config, learner_config, rows: int, row_len: int, se
                            rng.integers(1, model_config.vocab_size, row_len - 4).tolist(), float(i % 2) - 0.5,
                            float(i % 2)) for i in range(rows)]
     _, batch = learner.pack(samples)
-    batch = learner._put(batch)
-    compiled = learner._train_step.lower(learner.params, learner.opt_state, batch).compile()
-    with _PeakRSS() as rss:
+    batch = learner.put_batch(batch)  # placed before the measured peak
+    compiled = learner.lower_update(samples).compile()
+    with PeakRSS() as rss:
         out = compiled(learner.params, learner.opt_state, batch)
         jax_block(out)
-    return {"rss_growth_bytes": rss.growth, **_memory(compiled)}
+    return {"rss_growth_bytes": rss.growth, **compiled_memory(compiled)}
 
 
 def jax_block(tree) -> None:

@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args, backend: str) -> dict:
+def settings(args, backend: str) -> dict:
     base = GPU_DEFAULTS if backend == "gpu" else CPU_DEFAULTS
     s = {k: (getattr(args, k, None) if getattr(args, k, None) is not None else v) for k, v in base.items()}
     s["seq_lens"] = [int(x) for x in str(s["seq_lens"]).split(",") if x]
@@ -261,7 +261,7 @@ def run(args) -> dict:
     from ulorl_jax import kernels
 
     backend = jax.default_backend()
-    s = _settings(args, backend)
+    s = settings(args, backend)
     device_kind = str(jax.devices()[0].device_kind)
     result = {"bench": "attention", "backend": backend, "settings": {**s, "skip": sorted(s["skip"])}}
     if "attention" not in s["skip"]:

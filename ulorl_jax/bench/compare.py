@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
 from ulorl_jax.bench import learner as bl
 
@@ -60,13 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args) -> dict:
+def settings(args) -> dict:
     defaults = vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
     return {k: getattr(args, k, v) for k, v in defaults.items() if k not in ("json", "sweep_seq_lens", "sweep_tokens")}
 
 
 def run(args) -> dict:
-    s = _settings(args)
+    s = settings(args)
     for k in ("hidden_size", "layers", "experts", "top_k", "vocab", "samples", "seq_len", "prompt_len",
               "decode_batch", "new_tokens", "iters", "moe_intermediate_size"):
         if s[k] < 1:
@@ -84,14 +85,14 @@ def run(args) -> dict:
 
     if s["threads"]:
         torch.set_num_threads(s["threads"])
-    load_before = fwd._loadavg()
-    ls = {**bl._settings(argparse.Namespace()), "model_type": "qwen3_moe", "hidden_size": s["hidden_size"],
+    load_before = harness.loadavg()
+    ls = {**bl.settings(argparse.Namespace()), "model_type": "qwen3_moe", "hidden_size": s["hidden_size"],
           "layers": s["layers"], "experts": s["experts"], "top_k": s["top_k"],
           "moe_intermediate_size": s["moe_intermediate_size"], "vocab": s["vocab"], "samples": s["samples"],
           "seq_len": max(s["seq_len"], s["prompt_len"] + s["new_tokens"]), "prompt_len": s["prompt_len"],
           "micro_batch_rows": 1, "seed": s["seed"], "threads": s["threads"]}
     ls["seq_len"] = s["seq_len"]
-    fs = bl._forward_settings(ls)
+    fs = bl.forward_settings(ls)
     fs["seq_len"] = max(s["seq_len"], s["prompt_len"] + s["new_tokens"])
     config = fwd.model_config(fs)
     torch_model = fwd.build_torch_model(config, fs)
@@ -111,13 +112,13 @@ def run(args) -> dict:
     lconf = LearnerConfig(lr=1e-6, row_len=s["seq_len"], micro_batch_rows=1, logprob_chunk=s["seq_len"],
                           remat="full", mask_mode="dmmpt")
     learner = Learner(jax_model, lconf)
-    samples = bl._samples(ls, np)
-    cases = {"jax": lambda: learner.update(samples), "torch_eager": bl._torch_step_fn(torch_model, samples, lconf, ls)}
+    samples = bl.make_samples(ls, np)
+    cases = {"jax": lambda: learner.update(samples), "torch_eager": bl.torch_step_fn(torch_model, samples, lconf, ls)}
     compile_note = "off"
     if s["torch_compile"] in ("learner", "all"):
         try:
             compiled_model = torch.compile(torch_compiled_src)
-            cases["torch_compile"] = bl._torch_step_fn(compiled_model, samples, lconf, ls)
+            cases["torch_compile"] = bl.torch_step_fn(compiled_model, samples, lconf, ls)
             compile_note = "ok"
         except Exception as err:  # noqa: BLE001  (reported, not fatal)
             compile_note = f"failed: {type(err).__name__}: {err}"[:300]
@@ -135,19 +136,18 @@ def run(args) -> dict:
         first[name] = time.perf_counter() - t0
     times = {k: [] for k in cases}
     peak = {k: 0 for k in cases}
-    cpu_before = fwd._cpu_sample()
+    cpu_before = harness.cpu_sample()
     for _ in range(s["iters"]):
         for name, fn in cases.items():
-            with bl._PeakRSS() as rss:
+            with harness.PeakRSS() as rss:
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
             peak[name] = max(peak[name], rss.growth)
-    _, batch = learner.pack(samples)
-    temp = int(learner._train_step.lower(learner.params, learner.opt_state, learner._put(batch)).compile()
+    temp = int(learner.lower_update(samples).compile()
                .memory_analysis().temp_size_in_bytes)
     n_tok = s["samples"] * s["seq_len"]
-    learn = {name: {**fwd._stats(times[name], n_tok), "first_call_s": first[name],
+    learn = {name: {**harness.timing_stats(times[name], n_tok), "first_call_s": first[name],
                     "peak_rss_growth_bytes": peak[name]} for name in cases}
     learn["jax"]["xla_temp_bytes"] = temp
     for name in cases:
@@ -157,9 +157,9 @@ def run(args) -> dict:
     result["learner_step"] = learn
 
     if s["skip_decode"]:
-        machine = fwd._machine_info()
-        machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(),
-                       cpu_during_timing=fwd._background_load(cpu_before, fwd._cpu_sample()))
+        machine = harness.machine_info()
+        machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(),
+                       cpu_during_timing=harness.background_load(cpu_before, harness.cpu_sample()))
         result["machine"] = machine
         return result
 
@@ -208,7 +208,7 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             last[name] = fn()
             dtimes[name].append(time.perf_counter() - t0)
-    background = fwd._background_load(cpu_before, fwd._cpu_sample())
+    background = harness.background_load(cpu_before, harness.cpu_sample())
     gen = b * n
     dec = {name: {"median_s": statistics.median(v), "tokens_per_s": gen / statistics.median(v),
                   "first_call_s": dfirst[name]} for name, v in dtimes.items()}
@@ -220,8 +220,8 @@ def run(args) -> dict:
     # Both models took the same number of identical updates (lr 1e-6), so greedy tokens should agree.
     dec["greedy_token_agreement"] = float(np.mean(ours == last["torch_eager"][:, p_len:].numpy()))
     result["decode"] = dec
-    machine = fwd._machine_info()
-    machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
+    machine = harness.machine_info()
+    machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(), cpu_during_timing=background)
     result["machine"] = machine
     return result
 
@@ -242,7 +242,7 @@ def run_sweep(args) -> dict:
         r = run(one)
         L = r["learner_step"]
         rows.append({"seq_len": length, "samples": one.samples, "learner_step": L, "machine": r["machine"]})
-    return {"bench": "compare-sweep", "tokens_per_step": args.sweep_tokens, "settings": _settings(args),
+    return {"bench": "compare-sweep", "tokens_per_step": args.sweep_tokens, "settings": settings(args),
             "backend": r["backend"], "model": r["model"], "rows": rows}
 
 
@@ -302,7 +302,7 @@ def format_table(r: dict) -> str:
     lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}, "
                  f"transformers {mc['transformers']}; load avg {mc['loadavg_before']} -> {mc['loadavg_after']}; "
                  f"{mc['date']}")
-    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
+    lines += [line for line in (harness.cpu_load_line(mc),) if line]
     return "\n".join(lines)
 
 
@@ -313,9 +313,9 @@ def _cli(args) -> int:
         raise ValueError("bench compare needs PyTorch: install it with pip install -e '.[test]'") from None
     if args.sweep_seq_lens:
         result = run_sweep(args)
-        return fwd.print_result(result, format_sweep(result), args.json)
+        return harness.print_result(result, format_sweep(result), args.json)
     result = run(args)
-    return fwd.print_result(result, format_table(result), args.json)
+    return harness.print_result(result, format_table(result), args.json)
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:

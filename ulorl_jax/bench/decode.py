@@ -25,6 +25,7 @@ import statistics
 import tempfile
 import time
 
+from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
 
 
@@ -56,7 +57,7 @@ def _cli(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("bench decode compares against PyTorch: install it with pip install -e '.[test]'") from None
     result = run(args)
-    return fwd.print_result(result, format_table(result), args.json)
+    return harness.print_result(result, format_table(result), args.json)
 
 
 def run(args) -> dict:
@@ -75,7 +76,7 @@ def run(args) -> dict:
 
     if s["threads"]:
         torch.set_num_threads(s["threads"])
-    load_before = fwd._loadavg()
+    load_before = harness.loadavg()
     b, p_len, n = s["batch"], s["prompt_len"], s["new_tokens"]
     fs = {**s, "seq_len": p_len + n, "dtype": "float32", "torch_attention": "sdpa", "torch_experts": "grouped_mm"}
     config = fwd.model_config(fs)
@@ -106,7 +107,7 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - t0
-    cpu_before = fwd._cpu_sample()
+    cpu_before = harness.cpu_sample()
     times = {"jax": [], "torch": []}
     last = {}
     for _ in range(s["iters"]):
@@ -114,7 +115,7 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             last[name] = fn()
             times[name].append(time.perf_counter() - t0)
-    background = fwd._background_load(cpu_before, fwd._cpu_sample())
+    background = harness.background_load(cpu_before, harness.cpu_sample())
 
     completions, stats = last["jax"]
     ours_tokens = np.array([c.tokens for c in completions])  # [B, N]
@@ -191,8 +192,8 @@ def run(args) -> dict:
                                 "slot_occupancy": mixed_stats.slot_occupancy},
         "prefill": prefill,
     }
-    machine = fwd._machine_info()
-    machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
+    machine = harness.machine_info()
+    machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(), cpu_during_timing=background)
     result["machine"] = machine
     return result
 
@@ -229,5 +230,5 @@ def format_table(r: dict) -> str:
         f"transformers {mc['transformers']}; load avg before {mc['loadavg_before']} after {mc['loadavg_after']}; "
         f"{mc['date']}",
     ]
-    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
+    lines += [line for line in (harness.cpu_load_line(mc),) if line]
     return "\n".join(lines)

@@ -38,15 +38,13 @@ has no per-run knob.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
+
+from ulorl_jax.bench import harness
 
 TORCH_ATTENTION = ("sdpa", "eager")
 TORCH_EXPERTS = ("grouped_mm", "eager", "batched_mm")
@@ -94,7 +92,7 @@ _ARG_NAMES = ("model_type", "hidden_size", "layers", "heads", "kv_heads", "head_
               "iters", "threads", "seed", "torch_attention", "torch_experts")
 
 
-def _settings(args) -> dict:
+def settings(args) -> dict:
     """The bench options, with defaults for any the caller's namespace lacks."""
     defaults = vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
     return {name: getattr(args, name, defaults[name]) for name in _ARG_NAMES}
@@ -148,78 +146,9 @@ def build_torch_model(config, s: dict):
     return model.to(dtype).eval()
 
 
-def _machine_info() -> dict:
-    import jax
-    import jaxlib
-    import flax
-    import torch
-    import transformers
-
-    cpu_name = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu_name = names[0] if names else cpu_name
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {
-        "cpu": cpu_name, "processor": platform.processor(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
-        "platform": platform.platform(), "python": platform.python_version(),
-        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "jax_backend": jax.default_backend(), "jax_device": str(jax.devices()[0].device_kind),
-        "jax_device_count": jax.device_count(), "torch_threads": torch.get_num_threads(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-
-
-def _loadavg():
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _cpu_sample():
-    """(system busy CPU-seconds, steal CPU-seconds, this process's CPU-seconds, wall time); None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, AttributeError):
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    own = os.times()
-    return ((user + nice + system + irq + softirq) / tick, steal / tick, own.user + own.system,
-            time.perf_counter())
-
-
-def _background_load(before, after) -> dict | None:
-    """CPU used by other processes (and stolen by the hypervisor) during the timed calls,
-    as a fraction of all cores: 0 = we had the machine to ourselves."""
-    if before is None or after is None:
-        return None
-    wall = after[3] - before[3]
-    cores = os.cpu_count() or 1
-    busy, steal, own = (after[i] - before[i] for i in range(3))
-    return {"other_processes_frac": round(max(0.0, busy - own) / (wall * cores), 3),
-            "steal_frac": round(steal / (wall * cores), 3),
-            "this_process_frac": round(own / (wall * cores), 3)}
-
-
-def _stats(times: list[float], tokens: int) -> dict:
-    med = statistics.median(times)
-    return {"median_s": med, "min_s": min(times), "max_s": max(times), "tokens_per_s": tokens / med,
-            "times_s": times}
-
-
 def run(args) -> dict:
     """Build both models, time them side by side, return a JSON-serialisable dict."""
-    s = _settings(args)
+    s = settings(args)
     if s["iters"] < 1 or s["warmup"] < 0:
         raise ValueError(f"need --iters >= 1 and --warmup >= 0 (got {s['iters']}, {s['warmup']})")
     if s["seq_len"] < 2:
@@ -233,7 +162,7 @@ def run(args) -> dict:
 
     from ulorl_jax.models.hf import from_pretrained, hf_state_dict
 
-    load_before = _loadavg()
+    load_before = harness.loadavg()
     if s["threads"]:
         torch.set_num_threads(s["threads"])
     config = model_config(s)
@@ -286,7 +215,7 @@ def run(args) -> dict:
         start = time.perf_counter()
         last[key] = fn()
         first_s[key] = time.perf_counter() - start
-    cpu_before = _cpu_sample()
+    cpu_before = harness.cpu_sample()
     for _ in range(s["warmup"]):
         for key, fn in cases.items():
             last[key] = fn()
@@ -296,7 +225,7 @@ def run(args) -> dict:
             start = time.perf_counter()
             last[key] = fn()
             times[key].append(time.perf_counter() - start)
-    background = _background_load(cpu_before, _cpu_sample())
+    background = harness.background_load(cpu_before, harness.cpu_sample())
 
     # --- correctness (reported, not asserted) -----------------------------------------------
 
@@ -330,7 +259,7 @@ def run(args) -> dict:
         "tokens_per_step": n_tokens,
     }
     for case in ("forward", "forward_backward"):
-        jx, tc = _stats(times[(case, "jax")], n_tokens), _stats(times[(case, "torch")], n_tokens)
+        jx, tc = harness.timing_stats(times[(case, "jax")], n_tokens), harness.timing_stats(times[(case, "torch")], n_tokens)
         result[case] = {"jax": jx, "torch": tc, "ratio_jax_over_torch": jx["tokens_per_s"] / tc["tokens_per_s"]}
     result["first_call_s"] = {
         "jax_forward": first_s[("forward", "jax")],
@@ -343,9 +272,9 @@ def run(args) -> dict:
         for case in ("forward", "forward_backward")
     }
     result["correctness"] = correctness
-    machine = _machine_info()
+    machine = harness.machine_info()
     machine["loadavg_before"] = load_before
-    machine["loadavg_after"] = _loadavg()
+    machine["loadavg_after"] = harness.loadavg()
     machine["cpu_during_timing"] = background
     result["machine"] = machine
     return result
@@ -411,29 +340,8 @@ def format_table(result: dict) -> str:
         f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs, {mc['jax_device_count']} JAX device(s); "
         f"load avg before {mc['loadavg_before']} after {mc['loadavg_after']}; {mc['date']}",
     ]
-    lines += [line for line in (cpu_load_line(mc),) if line]
+    lines += [line for line in (harness.cpu_load_line(mc),) if line]
     return "\n".join(lines)
-
-
-NOISY_OTHER_FRAC = 0.1  # other processes' CPU share above which timings are flagged as unreliable
-
-
-def cpu_load_line(machine: dict) -> str | None:
-    """One line on how much of the CPU the timed calls got (None when not measured); shared by every bench."""
-    bg = machine.get("cpu_during_timing")
-    if not bg:
-        return None
-    noisy = "  <- noisy: timings unreliable" if bg["other_processes_frac"] > NOISY_OTHER_FRAC else ""
-    return (f"CPU during timing (fraction of all cores): this process {bg['this_process_frac']:.2f}, "
-            f"other processes {bg['other_processes_frac']:.2f}, steal {bg.get('steal_frac', 0.0):.2f}{noisy}")
-
-
-def print_result(result: dict, table: str, as_json: bool) -> int:
-    """The bench output contract: a human table, then (with --json) one JSON object as the last line."""
-    print(table)
-    if as_json:
-        print(json.dumps(result))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -443,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     result = run(args)
-    return print_result(result, format_table(result), args.json)
+    return harness.print_result(result, format_table(result), args.json)
 
 
 if __name__ == "__main__":

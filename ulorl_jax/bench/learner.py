@@ -29,9 +29,9 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 import time
 
+from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
 
 
@@ -68,13 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args) -> dict:
+def settings(args) -> dict:
     defaults = vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
     return {k: getattr(args, k, v) for k, v in defaults.items() if k != "json"}
 
 
-def _forward_settings(s: dict) -> dict:
-    base = fwd._settings(argparse.Namespace())
+def forward_settings(s: dict) -> dict:
+    base = fwd.settings(argparse.Namespace())
     base.update({k: s[k] for k in ("model_type", "hidden_size", "layers", "heads", "kv_heads", "head_dim",
                                    "intermediate_size", "experts", "top_k", "moe_intermediate_size", "vocab",
                                    "seed", "threads")})
@@ -82,34 +82,7 @@ def _forward_settings(s: dict) -> dict:
     return base
 
 
-class _PeakRSS:
-    """Peak resident memory growth (bytes) of this process while the block runs."""
-
-    def __enter__(self):
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _poll(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        self.growth = self.peak - self.start
-
-
-def _samples(s: dict, np):
+def make_samples(s: dict, np):
     from ulorl_jax.rl.learner import TrainSample
 
     rng = np.random.default_rng(s["seed"])
@@ -120,7 +93,7 @@ def _samples(s: dict, np):
                         float(adv[i]), float(rewards[i])) for i in range(n)]
 
 
-def _torch_step_fn(model, samples, config, s: dict):
+def torch_step_fn(model, samples, config, s: dict):
     """The same UloRL update in eager PyTorch on transformers' model."""
     import torch
 
@@ -170,7 +143,6 @@ def _torch_step_fn(model, samples, config, s: dict):
 
 def _memory_vs_length(s: dict, lengths: list[int]) -> list[dict]:
     """XLA temp memory of the compiled train step for one row of L tokens (compile only)."""
-    import numpy as np
 
     from ulorl_jax.models import init_model, tiny_config
     from ulorl_jax.rl.learner import Learner, LearnerConfig, TrainSample
@@ -185,9 +157,8 @@ def _memory_vs_length(s: dict, lengths: list[int]) -> list[dict]:
                                                                 logprob_chunk=s["logprob_chunk"],
                                                                 remat=s["remat"]))
             sample = TrainSample([1] * 16, [2] * (length - 16), 1.0, 1.0)
-            _, batch = learner.pack([sample])
             start = time.perf_counter()
-            compiled = learner._train_step.lower(learner.params, learner.opt_state, learner._put(batch)).compile()
+            compiled = learner.lower_update([sample]).compile()
             mem = compiled.memory_analysis()
             out.append({"attention": impl, "seq_len": length, "temp_bytes": int(mem.temp_size_in_bytes),
                         "compile_s": time.perf_counter() - start})
@@ -195,7 +166,7 @@ def _memory_vs_length(s: dict, lengths: list[int]) -> list[dict]:
 
 
 def run(args) -> dict:
-    s = _settings(args)
+    s = settings(args)
     if s["prompt_len"] < 1 or s["prompt_len"] >= s["seq_len"]:
         raise ValueError(f"--prompt-len must be in [1, --seq-len) (got {s['prompt_len']}, {s['seq_len']})")
     if s["iters"] < 1 or s["warmup"] < 0:
@@ -203,17 +174,16 @@ def run(args) -> dict:
     if s["samples"] % s["micro_batch_rows"]:
         raise ValueError(f"--samples={s['samples']} must be a multiple of --micro-batch-rows")
 
-    import jax
     import numpy as np
     import torch
 
     from ulorl_jax.models.hf import from_pretrained
     from ulorl_jax.rl.learner import Learner, LearnerConfig
 
-    fs = _forward_settings(s)
+    fs = forward_settings(s)
     if s["threads"]:
         torch.set_num_threads(s["threads"])
-    load_before = fwd._loadavg()
+    load_before = harness.loadavg()
     config = fwd.model_config(fs)
     torch_model = fwd.build_torch_model(config, fs)
     with tempfile.TemporaryDirectory(prefix="ulorl-bench-") as folder:
@@ -222,8 +192,8 @@ def run(args) -> dict:
     lconf = LearnerConfig(lr=1e-6, row_len=s["seq_len"], micro_batch_rows=s["micro_batch_rows"],
                           logprob_chunk=s["logprob_chunk"], remat=s["remat"], mask_mode="dmmpt")
     learner = Learner(jax_model, lconf)
-    samples = _samples(s, np)
-    torch_step = _torch_step_fn(torch_model, samples, lconf, s)
+    samples = make_samples(s, np)
+    torch_step = torch_step_fn(torch_model, samples, lconf, s)
     n_tokens = s["samples"] * s["seq_len"]
 
     cases = {"jax": lambda: learner.update(samples), "torch": torch_step}
@@ -237,31 +207,30 @@ def run(args) -> dict:
             fn()
     times = {k: [] for k in cases}
     peak = {k: 0 for k in cases}
-    cpu_before = fwd._cpu_sample()
+    cpu_before = harness.cpu_sample()
     for _ in range(s["iters"]):
         for name, fn in cases.items():
-            with _PeakRSS() as rss:
+            with harness.PeakRSS() as rss:
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
             peak[name] = max(peak[name], rss.growth)
-    background = fwd._background_load(cpu_before, fwd._cpu_sample())
-    _, batch = learner.pack(samples)
-    compiled = learner._train_step.lower(learner.params, learner.opt_state, learner._put(batch)).compile()
+    background = harness.background_load(cpu_before, harness.cpu_sample())
+    compiled = learner.lower_update(samples).compile()
     jax_temp = int(compiled.memory_analysis().temp_size_in_bytes)
 
     result = {"bench": "learner", "settings": s, "tokens_per_step": n_tokens,
               "model": {"model_type": config.model_type,
                         "params": int(sum(p.numel() for p in torch_model.parameters()))}}
-    jx, tc = fwd._stats(times["jax"], n_tokens), fwd._stats(times["torch"], n_tokens)
+    jx, tc = harness.timing_stats(times["jax"], n_tokens), harness.timing_stats(times["torch"], n_tokens)
     result["train_step"] = {"jax": jx, "torch": tc, "ratio_jax_over_torch": jx["tokens_per_s"] / tc["tokens_per_s"]}
     result["first_call_s"] = first
     result["memory"] = {"jax_peak_rss_growth_bytes": peak["jax"], "torch_peak_rss_growth_bytes": peak["torch"],
                         "jax_xla_temp_bytes": jax_temp}
     lengths = [int(x) for x in str(s["mem_lengths"]).split(",") if x.strip()]
     result["memory_vs_length"] = _memory_vs_length(s, lengths) if lengths else []
-    machine = fwd._machine_info()
-    machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
+    machine = harness.machine_info()
+    machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(), cpu_during_timing=background)
     result["machine"] = machine
     return result
 
@@ -297,7 +266,7 @@ def format_table(result: dict) -> str:
                          f"{row['temp_bytes'] / 2**20 / (row['seq_len'] / 1024):>14.2f}")
     lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; load avg before {mc['loadavg_before']} "
                  f"after {mc['loadavg_after']}; {mc['date']}")
-    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
+    lines += [line for line in (harness.cpu_load_line(mc),) if line]
     return "\n".join(lines)
 
 
@@ -307,7 +276,7 @@ def _cli(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("bench learner compares against PyTorch: install it with pip install -e '.[test]'") from None
     result = run(args)
-    return fwd.print_result(result, format_table(result), args.json)
+    return harness.print_result(result, format_table(result), args.json)
 
 
 def add_parser(subparsers) -> None:

@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from ulorl_jax.bench import forward as fwd
+from ulorl_jax.bench import harness
 from ulorl_jax.bench import segment_cost as sc
 
 
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args) -> dict:
+def settings(args) -> dict:
     defaults = vars(add_arguments(argparse.ArgumentParser(add_help=False)).parse_args([]))
     return {k: getattr(args, k, v) for k, v in defaults.items() if k != "json"}
 
@@ -274,7 +274,7 @@ def build(s: dict):
 
 
 def run(args) -> dict:
-    s = _settings(args)
+    s = settings(args)
     for name in ("global_max_len", "prompts_per_step", "n", "prompt_len", "steps", "steps_per_call",
                  "hidden_size", "layers", "vocab", "gpus", "projection_max_len", "projection_prompts",
                  "projection_n", "projection_prompt_len"):
@@ -289,11 +289,11 @@ def run(args) -> dict:
 
     from rich.progress import Progress
 
-    load_before = fwd._loadavg()
+    load_before = harness.loadavg()
     ks, engine, learner = build(s)
     ideal = sc.ideal_speedups(dist, ks, prompts_per_step=s["prompts_per_step"], samples_per_prompt=s["n"])
     out = {}
-    cpu_before = fwd._cpu_sample()
+    cpu_before = harness.cpu_sample()
     with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
         task = bar.add_task(f"num_segments {','.join(map(str, ks))}, interleaved",
                             total=sum(k + 1 + s["steps"] for k in ks))
@@ -306,15 +306,15 @@ def run(args) -> dict:
                 except StopIteration as done:
                     out[k] = done.value
                     del running[k]
-    background = fwd._background_load(cpu_before, fwd._cpu_sample())
+    background = harness.background_load(cpu_before, harness.cpu_sample())
     base = out[ks[0]]["seconds_per_update"]
     for k in ks:
         out[k]["speedup"] = base / out[k]["seconds_per_update"]
         out[k]["ideal_speedup"] = ideal[k]["ideal_speedup"]
         out[k]["pct_of_ideal"] = 100.0 * out[k]["speedup"] / ideal[k]["ideal_speedup"]
         out[k]["ideal_batch_occupancy"] = ideal[k]["ideal_batch_occupancy"]
-    machine = fwd._machine_info()
-    machine.update(loadavg_before=load_before, loadavg_after=fwd._loadavg(), cpu_during_timing=background)
+    machine = harness.machine_info()
+    machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(), cpu_during_timing=background)
     return {"bench": "segments", "mode": "measured", "settings": s, "length_distribution": dist.describe(),
             "engine_slots": engine.max_concurrent_decodes,
             "prefill_token_budget": getattr(engine, "prefill_token_budget", None), "segments": {str(k): out[k] for k in ks},
@@ -396,13 +396,13 @@ def format_table(r: dict) -> str:
               "slots: fraction of engine slots generating; batch occ: fraction of the step's samples generating per "
               "decode iteration; versions: policy versions per trained sample; ledger: trained / created "
               "(each exactly once)"]
-    lines += [line for line in (fwd.cpu_load_line(mc),) if line]
+    lines += [line for line in (harness.cpu_load_line(mc),) if line]
     return "\n".join(lines)
 
 
 def _cli(args) -> int:
     result = run(args)
-    return fwd.print_result(result, format_table(result), args.json)
+    return harness.print_result(result, format_table(result), args.json)
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:

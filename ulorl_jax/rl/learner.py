@@ -345,7 +345,9 @@ MICRO_KEYS = ("tokens", "targets", "segment_ids", "positions", "response_mask", 
               "rollout_logprobs", "has_rollout_logprobs", "sample_index", "loss_weight", "old_logprobs")
 
 
-def _optimizer_shardings(tx, params, param_sh, mesh: Mesh):
+def optimizer_shardings(tx, params, param_sh, mesh: Mesh):
+    """Shardings of `tx`'s state for `params`: moments laid out as their params (`param_sh`), the rest
+    (step counts) replicated."""
     abstract = jax.eval_shape(tx.init, params)
     replicated = NamedSharding(mesh, P())
     return optax.tree_map_params(tx, lambda _, s: s, abstract, param_sh, transform_non_params=lambda _: replicated,
@@ -372,7 +374,7 @@ class Learner:
         self._place_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self._param_sh)
         self.params = self._place_params(params)  # a copy: the step donates it, the caller's model stays valid
         self.tx = make_optimizer(config)
-        self._opt_sh = _optimizer_shardings(self.tx, self.params, self._param_sh, self.mesh)
+        self._opt_sh = optimizer_shardings(self.tx, self.params, self._param_sh, self.mesh)
         self.opt_state = jax.jit(self.tx.init, out_shardings=self._opt_sh)(self.params)
         self.step = 0
         self._replicated = NamedSharding(self.mesh, P())
@@ -442,8 +444,15 @@ class Learner:
         batch["aux_scale"] = np.asarray(1.0 / max(num_real_micro, 1), np.float32)  # aux = mean over micro-batches
         return packed, batch
 
-    def _put(self, batch: dict) -> dict:
+    def put_batch(self, batch: dict) -> dict:
+        """A packed batch (numpy, from `pack`) on the devices, laid out as the jitted steps take it."""
         return jax.device_put(batch, {k: self._batch_sh[k] for k in batch})
+
+    def lower_update(self, samples: Sequence[TrainSample]):
+        """The jitted policy train step for `samples`' packed batch, lowered (not run): `.compile()` gives
+        XLA's memory and cost analyses. For `ulorl plan` and the benches."""
+        _, batch = self.pack(samples)
+        return self._train_step.lower(self.params, self.opt_state, self.put_batch(batch))
 
     # -- updates ------------------------------------------------------------------------
 
@@ -483,7 +492,7 @@ class Learner:
                 pre["mismatch_abs_max"] = max(pre["mismatch_abs_max"], float(diff.max()))
             else:  # one update: the step's own forward is the policy at the start
                 batch["old_from_current"] = np.asarray(cfg.is_mode == "pois")
-            device_batches.append(self._put(batch))
+            device_batches.append(self.put_batch(batch))
 
         per_update = [self.apply(batch) for _ in range(cfg.ppo_epochs) for batch in device_batches]
         if prescore:
@@ -493,7 +502,7 @@ class Learner:
 
     def _score_batch(self, batch: dict) -> tuple[np.ndarray, np.ndarray]:
         """Forward only at the current params: (log p(target), entropy), both [M, r, L] numpy."""
-        logp, entropy = self._score(self.params, self._put({k: batch[k] for k in
+        logp, entropy = self._score(self.params, self.put_batch({k: batch[k] for k in
                                                             ("tokens", "targets", "positions", "segment_ids")}))
         return np.asarray(logp), np.asarray(entropy)
 
@@ -516,7 +525,7 @@ class Learner:
         """
         validate_samples(samples, self.config.row_len)
         minis = [self.pack(mb, loss_agg_mode="token-mean") for mb in self._minibatches(samples)]
-        device_batches = [self._put(batch) for _, batch in minis]
+        device_batches = [self.put_batch(batch) for _, batch in minis]
         per_update = [self.apply(batch, objective="sft") for _ in range(self.config.ppo_epochs)
                       for batch in device_batches]
         return self._summarise(per_update, minis, len(per_update), policy=False)
@@ -528,7 +537,7 @@ class Learner:
         (decided inside the jitted step), logs a warning, and `step` is not advanced.
         """
         fn = self._train_step if objective == "policy" else self._sft_step
-        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, self._put(batch))
+        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, self.put_batch(batch))
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if metrics["skipped"]:
             log.warning("learner: non-finite loss (%s) or grad norm (%s) at update %d (%s); params and optimizer "
@@ -547,7 +556,7 @@ class Learner:
                                                  self.mesh),
                                     in_shardings=(self._param_sh, self._batch_sh),
                                     out_shardings=(self._replicated, self._param_sh, self._replicated))
-        loss, grads, _ = self._grad_fn(self.params, self._put(batch))
+        loss, grads, _ = self._grad_fn(self.params, self.put_batch(batch))
         return loss, grads
 
     @staticmethod

@@ -1,0 +1,132 @@
+"""What every benchmark shares: the machine it ran on, how much of the CPU it got, timing statistics, peak
+memory, and the output contract (a table, then with --json one JSON object as the last line).
+
+Public so that `ulorl plan`, the benches and `benchmarks/` scripts measure and report alike.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+
+
+def machine_info() -> dict:
+    import jax
+    import jaxlib
+    import flax
+    import torch
+    import transformers
+
+    cpu_name = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu_name = names[0] if names else cpu_name
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "cpu": cpu_name, "processor": platform.processor(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "jax_backend": jax.default_backend(), "jax_device": str(jax.devices()[0].device_kind),
+        "jax_device_count": jax.device_count(), "torch_threads": torch.get_num_threads(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+
+
+def loadavg():
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cpu_sample():
+    """(system busy CPU-seconds, steal CPU-seconds, this process's CPU-seconds, wall time); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    own = os.times()
+    return ((user + nice + system + irq + softirq) / tick, steal / tick, own.user + own.system,
+            time.perf_counter())
+
+
+def background_load(before, after) -> dict | None:
+    """CPU used by other processes (and stolen by the hypervisor) during the timed calls,
+    as a fraction of all cores: 0 = we had the machine to ourselves."""
+    if before is None or after is None:
+        return None
+    wall = after[3] - before[3]
+    cores = os.cpu_count() or 1
+    busy, steal, own = (after[i] - before[i] for i in range(3))
+    return {"other_processes_frac": round(max(0.0, busy - own) / (wall * cores), 3),
+            "steal_frac": round(steal / (wall * cores), 3),
+            "this_process_frac": round(own / (wall * cores), 3)}
+
+
+def timing_stats(times: list[float], tokens: int) -> dict:
+    med = statistics.median(times)
+    return {"median_s": med, "min_s": min(times), "max_s": max(times), "tokens_per_s": tokens / med,
+            "times_s": times}
+
+
+class PeakRSS:
+    """Peak resident memory growth (bytes) of this process while the block runs."""
+
+    def __enter__(self):
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.growth = self.peak - self.start
+
+
+NOISY_OTHER_FRAC = 0.1  # other processes' CPU share above which timings are flagged as unreliable
+
+
+def cpu_load_line(machine: dict) -> str | None:
+    """One line on how much of the CPU the timed calls got (None when not measured); shared by every bench."""
+    bg = machine.get("cpu_during_timing")
+    if not bg:
+        return None
+    noisy = "  <- noisy: timings unreliable" if bg["other_processes_frac"] > NOISY_OTHER_FRAC else ""
+    return (f"CPU during timing (fraction of all cores): this process {bg['this_process_frac']:.2f}, "
+            f"other processes {bg['other_processes_frac']:.2f}, steal {bg.get('steal_frac', 0.0):.2f}{noisy}")
+
+
+def print_result(result: dict, table: str, as_json: bool) -> int:
+    """The bench output contract: a human table, then (with --json) one JSON object as the last line."""
+    print(table)
+    if as_json:
+        print(json.dumps(result))
+    return 0
