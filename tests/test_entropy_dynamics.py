@@ -30,8 +30,10 @@ from ulorl_jax.rl.learner import Learner, LearnerConfig, TrainSample
 
 VOCAB, RESPONSE, GROUP, STEPS = 4, 4, 32, 200
 TAU, SIGMA = 0.9, 0.2
-# Bands on the mean entropy of the last 20 updates (initial entropy ≈ 1.38 = ln 4).
-BANDS = {"none": (0.0, 0.1), "mpt": (0.25, 1.4), "dmmpt": (0.1, 0.3)}
+# Bands on the mean entropy of the last 20 updates. The initial entropy is ≈ 1.38 = ln 4 and lies outside
+# every band, so a mode that does not learn fails. Measured (2026-12-04, jax 0.10.2 CPU): none 0.032, mpt
+# 0.354 (bad tokens pushed out, the two good ones kept: towards ln 2 = 0.69 minus the noise), dmmpt 0.225.
+BANDS = {"none": (0.0, 0.1), "mpt": (0.25, 0.8), "dmmpt": (0.1, 0.3)}
 
 
 def _train(mask_mode: str) -> list[float]:
