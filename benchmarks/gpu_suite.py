@@ -370,7 +370,7 @@ def _configs(s: dict):
     figures still come."""
     try:
         from ulorl_jax.config import load_config
-        from ulorl_jax.rl.trainer import learner_config
+        from ulorl_jax.rl.build import learner_config
     except ModuleNotFoundError as err:
         from ulorl_jax.models.config import ModelConfig
         from ulorl_jax.rl.learner import LearnerConfig

@@ -213,7 +213,8 @@ def _initial_params():
     from flax import nnx
     from trainer_utils import MOVING, tiny_config
 
-    from ulorl_jax.rl.trainer import build_model, build_tokenizer
+    from ulorl_jax.model_source import build_tokenizer
+    from ulorl_jax.rl.build import build_model
 
     cfg = tiny_config(*MOVING, *TRAIN_OVERRIDES)
     return nnx.state(build_model(cfg, build_tokenizer(cfg), seed=cfg.trainer.seed), nnx.Param)
@@ -227,7 +228,7 @@ def _checkpoint(run_dir, step: int, item: str = "params") -> tuple[list[np.ndarr
 
     from ulorl_jax.checkpoint import TrainCheckpointer
     from ulorl_jax.rl.learner import make_optimizer
-    from ulorl_jax.rl.trainer import learner_config
+    from ulorl_jax.rl.build import learner_config
 
     target = _initial_params()
     if item == "opt_state":

@@ -177,7 +177,7 @@ def test_embedding_lookup_and_its_gradient_stay_batch_sharded(monkeypatch):
 @pytest.mark.slow
 @needs_8
 def test_learner_gradients_with_pallas_attention_on_a_mesh_equal_single_device(monkeypatch):
-    from test_learner import DENSE, VOCAB, _assert_trees_close, _config, _samples
+    from test_learner import DENSE, _assert_trees_close, _config, _samples
 
     from ulorl_jax.models import init_model, tiny_config
     from ulorl_jax.rl.learner import Learner

@@ -10,7 +10,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from hf_utils import hf_logits, random_tokens, save_hf_model
 from ulorl_jax.models import init_model, tiny_config
 from ulorl_jax.models.hf import from_pretrained
-from ulorl_jax.models.moe import experts_dense, experts_ragged, load_balancing_loss, route
+from ulorl_jax.models.moe import experts_dense, experts_ragged, route
 
 
 def _expert_inputs(n=37, d=16, f=24, e=6, k=2, seed=0):

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import time
 
-import jax
 import numpy as np
 import pytest
 from orbax.checkpoint._src.path import atomicity
@@ -22,7 +21,8 @@ from trainer_utils import MOVING, TINY, assert_same_trees, leaves, run_train, su
 from ulorl_jax.checkpoint import CheckpointError, TrainCheckpointer
 from ulorl_jax.config import ConfigError, load_config
 from ulorl_jax.metrics import read_metrics
-from ulorl_jax.rl.trainer import Trainer, TrainingError, build_tokenizer
+from ulorl_jax.model_source import build_tokenizer
+from ulorl_jax.rl.trainer import Trainer, TrainingError
 from ulorl_jax.sharding import MeshError
 
 # --- bad input the other modules do not cover (the rest: see docs/reliability.md) ---------------------

@@ -8,9 +8,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from hf_utils import save_hf_model
-from ulorl_jax.models import init_model, tiny_config
+from ulorl_jax.models import init_model, init_sharded, tiny_config
 from ulorl_jax.models.hf import from_pretrained
-from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MeshConfig, MeshError, init_sharded, logical_to_spec,
+from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MeshConfig, MeshError, logical_to_spec,
                                 make_mesh, shard_batch, shard_model)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices; see tests/conftest.py")

@@ -51,13 +51,14 @@ def _train(args) -> int:
     initialize_from_args(args)  # --coordinator/--num-processes/--process-id: before jax touches a device
     from ulorl_jax.metrics import ProgressDisplay
     from ulorl_jax.rl.trainer import Trainer
+    from ulorl_jax.warm_start import run_warm_start
 
     _quiet_libraries()
     cfg = _load(args.config, args.overrides)
     trainer = Trainer(cfg, args.run_dir, resume=args.resume)
     try:
         if cfg.trainer.sft_steps and not args.resume:
-            _warm_start(trainer, cfg)
+            run_warm_start(trainer, cfg)
         # With several processes, process 0 alone shows the progress.
         display = ProgressDisplay(cfg.trainer.total_steps, start_step=trainer.step) if trainer.is_primary else \
             contextlib.nullcontext()
@@ -78,22 +79,6 @@ def _train(args) -> int:
                   "groups_dropped_* in metrics.jsonl); a policy that never (or always) earns the reward needs "
                   "other data or a warm start", file=sys.stderr)
     return 0
-
-
-def _warm_start(trainer, cfg) -> list[dict]:
-    from rich.progress import Progress
-
-    t = cfg.trainer
-    batch = t.sft_batch_size or t.train_batch_size * cfg.rollout.n
-    with Progress(transient=True, disable=not (sys.stdout.isatty() and trainer.is_primary)) as bar:
-        task = bar.add_task("supervised warm start", total=t.sft_steps)
-        history = trainer.warm_start(t.sft_steps, batch, t.sft_lr,
-                                     progress=lambda i, m: bar.update(task, completed=i))
-    last = history[-1] if history else {}
-    if trainer.is_primary:
-        print(f"warm start: {t.sft_steps} supervised steps on noisy traces (batch {batch}, lr {t.sft_lr:g}), "
-              f"final loss {last.get('loss', float('nan')):.3f}")
-    return history
 
 
 # ---------------------------------------------------------------------------
@@ -160,7 +145,8 @@ def _eval(args) -> int:
 def _config_model(cfg):
     """`ulorl eval --config C` without --model / --run-dir: C's model.path, or a fresh model from model.arch."""
     from ulorl_jax import model_source
-    from ulorl_jax.rl.trainer import build_model, build_tokenizer
+    from ulorl_jax.model_source import build_tokenizer
+    from ulorl_jax.rl.build import build_model
 
     if cfg.model.path is not None:
         return model_source.load(model_source.resolve(cfg.model.path), dtype=cfg.model.param_dtype)

@@ -23,12 +23,12 @@ def default_run_dir() -> Path:
 def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = False) -> dict:
     import jax
 
-    from ulorl_jax.commands import _warm_start
     from ulorl_jax.config import load_config
     from ulorl_jax.data.synthetic import distribution_stats
     from ulorl_jax.metrics import ProgressDisplay, read_metrics
     from ulorl_jax.plot import plot_run
     from ulorl_jax.rl.trainer import Trainer
+    from ulorl_jax.warm_start import run_warm_start
 
     wall = time.perf_counter()
     run_dir = Path(run_dir) if run_dir else default_run_dir()
@@ -47,7 +47,7 @@ def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = 
     try:
         t0 = time.perf_counter()
         if cfg.trainer.sft_steps:
-            _warm_start(trainer, cfg)
+            run_warm_start(trainer, cfg)
         sft_s = time.perf_counter() - t0
         before = trainer.evaluate()
         print(f"held-out avg@{cfg.eval.k} accuracy after warm start: {before['eval_accuracy']:.3f}")

@@ -123,7 +123,6 @@ def load(source: ModelSource, dtype: str | None = None, overrides: list[str] | N
 
     from ulorl_jax.checkpoint import TrainCheckpointer
     from ulorl_jax.models.qwen3 import Qwen3ForCausalLM
-    from ulorl_jax.rl.trainer import build_tokenizer
 
     cfg = run_config(source.path, overrides)
     step = checkpoint_step(source.path, source.step)
@@ -164,3 +163,24 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     for name in names:
         shutil.copy2(Path(src) / name, Path(dst) / name)
     return names
+
+
+def build_tokenizer(cfg):
+    """The run's tokenizer: `model.tokenizer`, else the model folder's, else the synthetic task's."""
+    folder = cfg.model.tokenizer or cfg.model.path
+    if folder is not None:
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        try:
+            tokenizer = load_tokenizer(folder)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot load a tokenizer from {folder} ({key}): {err}") from None
+        if tokenizer is None:  # AutoTokenizer would silently build an empty tokenizer from such a folder
+            raise ValueError(f"{folder} ({key}) has no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the "
+                             f"base model's tokenizer there or set model.tokenizer=DIR")
+        return tokenizer
+    if cfg.data.synthetic is None:
+        raise ValueError("no tokenizer: set model.tokenizer or model.path (or use data.synthetic)")
+    from ulorl_jax.data.tokenizer import build_tokenizer as build_char_tokenizer
+    from ulorl_jax.data.tokenizer import synthetic_alphabet
+
+    return build_char_tokenizer(synthetic_alphabet())

@@ -236,7 +236,7 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
 
     from ulorl_jax.bench.segment_cost import ModelShape
     from ulorl_jax.models.layer_scan import unscannable
-    from ulorl_jax.rl.trainer import learner_config
+    from ulorl_jax.rl.build import learner_config
     from ulorl_jax.sharding import BATCH_AXES, axis_size, make_mesh
 
     if devices < 1:

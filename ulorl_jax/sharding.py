@@ -141,20 +141,6 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: dict | None = None) -> nnx
     return model
 
 
-def init_sharded(config, mesh: Mesh, rules: dict | None = None, seed: int = 0):
-    """Initialise a Qwen3 model directly into its shardings (no full copy on one device)."""
-    from ulorl_jax.models.qwen3 import Qwen3ForCausalLM
-
-    def create():
-        return Qwen3ForCausalLM(config, rngs=nnx.Rngs(params=seed))
-
-    abstract = nnx.eval_shape(create)
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = param_shardings(abstract_state, mesh, rules)
-    state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
-
-
 def mesh_context(fn, mesh: Mesh):
     """`fn` traced with `mesh` as jax's (abstract) mesh context, for use under `jax.jit`: model
     code that needs the mesh reads `jax.sharding.get_abstract_mesh()` (models/moe_parallel.py)

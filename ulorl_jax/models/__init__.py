@@ -4,7 +4,7 @@
 from ulorl_jax.models.config import ConfigError, ModelConfig, tiny_config
 
 # Model
-from ulorl_jax.models.qwen3 import ForwardOutput, KVCache, Qwen3ForCausalLM, init_model
+from ulorl_jax.models.qwen3 import ForwardOutput, KVCache, Qwen3ForCausalLM, init_model, init_sharded
 
 __all__ = [
     "ConfigError",
@@ -14,4 +14,5 @@ __all__ = [
     "KVCache",
     "Qwen3ForCausalLM",
     "init_model",
+    "init_sharded",
 ]

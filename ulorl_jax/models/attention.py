@@ -20,54 +20,19 @@ block, e.g. decode) and logs why, once.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from ulorl_jax.models.attention_xla import AttentionMask, xla_attention  # noqa: F401  (re-exported)
 from ulorl_jax.models.fallback import warn_once
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionMask:
-    """Who may attend to whom.
-
-    A query (b, t) may attend to key (b, s) iff their segment ids are equal and
-    `s <= q_index[b, t]` (causal in cache order). Segment id 0 marks padding
-    (and empty cache slots); padded queries only see padding, so their rows
-    stay finite and are ignored downstream.
-    """
-
-    q_segment_ids: jnp.ndarray  # [B, Tq] int32
-    kv_segment_ids: jnp.ndarray  # [B, Tk] int32
-    q_index: jnp.ndarray  # [B, Tq] int32: the query's own slot in the key axis
-    is_self_attention: bool = True  # keys are exactly the queries (no cache)
-
-    def dense(self) -> jnp.ndarray:
-        """Boolean mask [B, Tq, Tk]."""
-        tk = self.kv_segment_ids.shape[1]
-        same_segment = self.q_segment_ids[:, :, None] == self.kv_segment_ids[:, None, :]
-        causal = jnp.arange(tk, dtype=jnp.int32)[None, None, :] <= self.q_index[:, :, None]
-        return same_segment & causal
-
-
 AttentionFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, AttentionMask], jnp.ndarray]
-
-
-def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
-    b, tq, hq, d = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, tq, hkv, hq // hkv, d)  # [B, T, K, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    allowed = mask.dense()[:, None, None, :, :]  # [B, 1, 1, T, S]
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, tq, hq, d)
 
 
 def cudnn_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:

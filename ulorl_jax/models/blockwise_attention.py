@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ulorl_jax.models.attention import AttentionMask, xla_attention
+from ulorl_jax.models.attention_xla import AttentionMask, xla_attention
 
 BLOCK_Q = 256
 BLOCK_K = 256

@@ -27,7 +27,7 @@ from ulorl_jax.models.attention import AttentionMask, get_attention_impl
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
 from ulorl_jax.models.moe import SparseMoeBlock, load_balancing_loss
 from ulorl_jax.models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from ulorl_jax.sharding import constrain
+from ulorl_jax.sharding import constrain, param_shardings
 
 
 class KVCache(NamedTuple):
@@ -257,5 +257,20 @@ class Qwen3ForCausalLM(nnx.Module):
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Qwen3ForCausalLM:
-    """A randomly initialised model on the default device (see `sharding.init_sharded` for meshes)."""
+    """A randomly initialised model on the default device (`init_sharded`: directly on a mesh)."""
     return Qwen3ForCausalLM(config, rngs=nnx.Rngs(params=seed))
+
+
+def init_sharded(config: ModelConfig, mesh: jax.sharding.Mesh, rules: dict | None = None,
+                 seed: int = 0) -> Qwen3ForCausalLM:
+    """A randomly initialised model created directly in its shardings on `mesh` (no full copy on one
+    device); the same weights as `init_model(config, seed)`."""
+
+    def create():
+        return Qwen3ForCausalLM(config, rngs=nnx.Rngs(params=seed))
+
+    abstract = nnx.eval_shape(create)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, mesh, rules)
+    state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

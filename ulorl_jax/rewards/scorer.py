@@ -292,7 +292,7 @@ class RewardScorer:
     def _run_inline(self, fn_path: str, args: tuple) -> Outcome:
         try:
             if fn_path in _MATH_VERIFY_FNS:
-                from ulorl_jax.rewards import equivalence
+                import ulorl_jax.rewards.equivalence as equivalence
 
                 on_main = threading.current_thread() is threading.main_thread()
                 seconds = max(1, math.ceil(self.config.timeout_s)) if on_main else None

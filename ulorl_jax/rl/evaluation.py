@@ -145,7 +145,7 @@ def plan_eval(cfg, model_config, prompts: list[PromptItem], *, k: int | None, ma
 
 def run_eval(cfg, loaded, prompts: list[PromptItem], plan: EvalPlan, *, seed: int | None = None) -> dict[str, Any]:
     """Evaluate `loaded` (model_source.LoadedModel) on `prompts` as `plan` says; returns the eval metrics."""
-    from ulorl_jax.rl.trainer import build_scorer, eos_ids, eval_sampling_params
+    from ulorl_jax.rl.build import build_scorer, eos_ids, eval_sampling_params
 
     sampling = eval_sampling_params(cfg)
     max_len = plan.max_prompt_len + plan.max_new_tokens

@@ -1,0 +1,90 @@
+"""The package's import graph: no cycles between modules, no module importing another module's private
+names (issue 21). Read from the source with `ast` (function-level imports included), so a cycle hidden
+behind a lazy import counts too."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ulorl_jax"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, list[tuple[str, str | None]]]:
+    """module -> [(imported module, imported name or None)] for every ulorl_jax import in it."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        found = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ulorl_jax"):
+                found += [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                found += [(a.name, None) for a in node.names if a.name.startswith("ulorl_jax")]
+        out[_module_name(path)] = found
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    imports = _imports()
+    graph = {}
+    for module, found in imports.items():
+        deps = set()
+        for target, name in found:
+            if name and f"{target}.{name}" in imports:  # `from pkg import submodule`
+                deps.add(f"{target}.{name}")
+            elif target in imports:
+                deps.add(target)
+        graph[module] = deps - {module}
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    graph = _graph()
+    assert len(graph) > 50, "the package was not found"
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_another_modules_private_names():
+    private = [f"{module} imports {target}.{name}" for module, found in _imports().items()
+               for target, name in found if name and name.startswith("_") and not name.startswith("__")]
+    assert private == []
