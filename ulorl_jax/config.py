@@ -27,6 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ulorl_jax import choices
 from ulorl_jax.models.config import (
     ATTENTION_IMPLS,
     MOE_IMPLS,
@@ -42,24 +43,22 @@ __all__ = [
     "shipped_configs", "CHOICES",
 ]
 
-# Where the rollout decodes (decode/placement.py).
-DECODE_MESHES = ("auto", "learner", "replicate", "shard", "first_device")
-# Allowed values of the enum-like string options, by dotted key.
+# Allowed values of the enum-like string options, by dotted key (each list defined once: choices.py).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_impl": ATTENTION_IMPLS,
     "model.moe_impl": MOE_IMPLS,
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.param_dtype": ("float32", "bfloat16", "float16"),
-    "data.on_bad_row": ("skip", "error"),
-    "rollout.backend": ("engine", "jetstream"),
-    "rollout.decode_mesh": DECODE_MESHES,  # decode/placement.py
-    "algorithm.is_mode": ("pois", "sais"),  # ULORL.md §2 (TOIS = pois with one segment)
-    "algorithm.mask_mode": ("none", "mpt", "dmmpt"),  # ULORL.md §3
-    "algorithm.entropy_mode": ("sample", "batch"),  # per-sample H̄_i (paper) or batch mean
-    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean"),
-    "reward.kind": ("rule", "verifier", "custom"),
-    "reward.extraction": ("boxed", "math_verify"),  # rule kind: last \boxed{} (paper) or math-verify's own
-    "checkpoint.on_save_error": ("stop", "continue"),
+    "model.dtype": choices.DTYPES,
+    "model.param_dtype": choices.DTYPES,
+    "data.on_bad_row": choices.ON_BAD_ROW,
+    "rollout.backend": choices.ROLLOUT_BACKENDS,
+    "rollout.decode_mesh": choices.DECODE_MESHES,
+    "algorithm.is_mode": choices.IS_MODES,
+    "algorithm.mask_mode": choices.MASK_MODES,
+    "algorithm.entropy_mode": choices.ENTROPY_MODES,
+    "algorithm.loss_agg_mode": choices.LOSS_AGG_MODES,
+    "reward.kind": choices.REWARD_KINDS,
+    "reward.extraction": choices.EXTRACTIONS,
+    "checkpoint.on_save_error": choices.ON_SAVE_ERROR,
 }
 # Runtime fields of ModelConfig that live in `model.*`, not in `model.arch`.
 _RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_impl")

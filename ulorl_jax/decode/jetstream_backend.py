@@ -58,13 +58,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ulorl_jax.choices import ROLLOUT_BACKENDS  # noqa: F401  (re-exported)
 from ulorl_jax.decode.engine import Completion, PolicyEngine, Request, RunStats, register_as_jetstream_engine
 from ulorl_jax.decode.sampling import SamplingParams, filter_logits
 from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
 from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
 
 JETSTREAM_REQUIREMENT = "google-jetstream==0.2.2"
-ROLLOUT_BACKENDS = ("engine", "jetstream")
 _OFFLINE_WARNING = "LLM orchestrator is being used in offline test mode"
 
 

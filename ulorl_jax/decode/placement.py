@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ulorl_jax.config import DECODE_MESHES
+from ulorl_jax.choices import DECODE_MESHES
 from ulorl_jax.sharding import MeshConfig, make_mesh, param_shardings
 
 

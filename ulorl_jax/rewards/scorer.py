@@ -37,14 +37,13 @@ import signal
 import threading
 from typing import Any, Sequence
 
+from ulorl_jax.choices import EXTRACTIONS, REWARD_KINDS  # noqa: F401  (re-exported)
 from ulorl_jax.rewards.extract import compile_answer_pattern, extract_answer
 from ulorl_jax.rewards.rule import quick_rule_reward, reference_answer
 from ulorl_jax.rewards.sandbox import Outcome, SandboxPool, resolve_function
 
 logger = logging.getLogger(__name__)
 
-REWARD_KINDS = ("rule", "verifier", "custom")
-EXTRACTIONS = ("boxed", "math_verify")
 _MATH_VERIFY_FN = "ulorl_jax.rewards.rule:math_verify_reward"
 _MATH_VERIFY_RESPONSE_FN = "ulorl_jax.rewards.rule:math_verify_response_reward"
 _MATH_VERIFY_FNS = {_MATH_VERIFY_FN: "math_verify_equivalence",

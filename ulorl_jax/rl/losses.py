@@ -18,10 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MASK_MODES = ("none", "mpt", "dmmpt")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
-ENTROPY_MODES = ("sample", "batch")
-IS_MODES = ("pois", "sais")
+from ulorl_jax.choices import ENTROPY_MODES, IS_MODES, LOSS_AGG_MODES, MASK_MODES  # noqa: F401  (re-exported)
 
 
 def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -1,0 +1,20 @@
+"""The allowed values of every enum-like option, defined once: the config schema (`config.CHOICES`) and the
+parts that take them (losses, learner, scorer, rollout backends, decode placement) all read them here.
+Plain tuples, no imports: any module may use them."""
+
+# ULORL.md §2: importance sampling (TOIS = pois with one segment)
+IS_MODES = ("pois", "sais")
+# ULORL.md §3: which well-mastered positive tokens are masked
+MASK_MODES = ("none", "mpt", "dmmpt")
+# DMMPT's entropy: per sample H̄_i (the paper) or the batch mean
+ENTROPY_MODES = ("sample", "batch")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+REWARD_KINDS = ("rule", "verifier", "custom")
+# rule kind: the last \boxed{} (the paper) or math-verify's own extraction
+EXTRACTIONS = ("boxed", "math_verify")
+ROLLOUT_BACKENDS = ("engine", "jetstream")
+# where the rollout decodes (decode/placement.py)
+DECODE_MESHES = ("auto", "learner", "replicate", "shard", "first_device")
+DTYPES = ("float32", "bfloat16", "float16")
+ON_BAD_ROW = ("skip", "error")
+ON_SAVE_ERROR = ("stop", "continue")
