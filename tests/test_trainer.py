@@ -78,9 +78,32 @@ def test_fresh_run_refuses_a_folder_with_checkpoints(tmp_path):
         Trainer(cfg, tmp_path / "run")
 
 
-def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="no checkpoint"):
-        Trainer(tiny_config(), tmp_path / "empty", resume=True)
+def test_resume_before_the_first_checkpoint_starts_the_run(tmp_path, caplog):
+    """A run killed before its first checkpoint (even before config.yaml) has nothing to lose: --resume
+    starts it from step 1, with a warning, exactly as a fresh run."""
+    cfg = tiny_config("trainer.total_steps=1", "checkpoint.save_every=0")
+    (tmp_path / "killed" / "checkpoints").mkdir(parents=True)  # as a kill during the first save leaves it
+    with caplog.at_level("WARNING"):
+        resumed = Trainer(cfg, tmp_path / "killed", resume=True)
+    assert "no committed checkpoint" in caplog.text and not resumed.resumed and resumed.step == 0
+    fresh = Trainer(cfg, tmp_path / "fresh")
+    try:
+        resumed.fit()
+        fresh.fit()
+        assert resumed.step == 1 and (tmp_path / "killed" / "config.yaml").exists()
+        _assert_same_state(resumed, fresh)
+    finally:
+        resumed.close()
+        fresh.close()
+
+
+def test_resume_with_a_missing_run_config_names_the_cause(tmp_path, capsys):
+    from ulorl_jax.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(run / "config.yaml"), "--run-dir", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "config.yaml: not found" in err and "start it again with the config you first gave it" in err
 
 
 def test_too_many_steps_without_trainable_groups_stops_clearly(tmp_path):

@@ -54,10 +54,13 @@ def _train(args) -> int:
     from ulorl_jax.warm_start import run_warm_start
 
     _quiet_libraries()
+    if args.resume and args.config and Path(args.config).name == "config.yaml" and not Path(args.config).exists():
+        raise ValueError(f"--config {args.config}: not found; a run killed before it wrote its config.yaml has "
+                         f"trained nothing yet: start it again with the config you first gave it")
     cfg = _load(args.config, args.overrides)
     trainer = Trainer(cfg, args.run_dir, resume=args.resume)
     try:
-        if cfg.trainer.sft_steps and not args.resume:
+        if cfg.trainer.sft_steps and not trainer.resumed:
             run_warm_start(trainer, cfg)
         # With several processes, process 0 alone shows the progress.
         display = ProgressDisplay(cfg.trainer.total_steps, start_step=trainer.step) if trainer.is_primary else \

@@ -185,9 +185,15 @@ class Trainer:
                              f"or choose a new --run-dir (nothing is overwritten)")
         self.checkpointer = TrainCheckpointer(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                               async_save=cfg.checkpoint.async_save)
+        self.resumed = False  # True once a checkpoint was restored
         if resume:
             check_resume_config(self.run_dir / "config.yaml", cfg)
-            self._restore()
+            if self.checkpointer.latest_step() is None:  # killed before its first checkpoint: nothing to lose
+                log.warning("--resume: no committed checkpoint in %s (the run stopped before its first one); "
+                            "starting it from step 1", self.checkpointer.directory)
+            else:
+                self._restore()
+                self.resumed = True
         self.writer = _NoMetrics()
         if self.is_primary:
             # Atomic: the other processes of a resumed run may be reading it (check_resume_config).
