@@ -58,7 +58,7 @@ def _train(args) -> int:
         raise ValueError(f"--config {args.config}: not found; a run killed before it wrote its config.yaml has "
                          f"trained nothing yet: start it again with the config you first gave it")
     cfg = _load(args.config, args.overrides)
-    trainer = Trainer(cfg, args.run_dir, resume=args.resume)
+    trainer = Trainer(cfg, args.run_dir, resume=args.resume, max_memory_gb=args.max_memory)
     try:
         if cfg.trainer.sft_steps and not trainer.resumed:
             run_warm_start(trainer, cfg)
@@ -213,6 +213,10 @@ def add_parsers(sub) -> None:
     train.add_argument("--config", required=True, help="YAML file, or the name of a shipped config (e.g. tiny_cpu)")
     train.add_argument("--run-dir", required=True, help="run folder (created)")
     train.add_argument("--resume", action="store_true", help="continue from the latest committed checkpoint")
+    train.add_argument("--max-memory", type=float, default=None, metavar="GB",
+                       help="memory budget per device, checked before allocating: the learner's weights, gradients "
+                            "and AdamW moments, the rollout's weights and KV cache (default: the device's free "
+                            "memory, or 80%% of host RAM on CPU)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     from ulorl_jax.distributed import add_arguments as add_distributed_arguments
 

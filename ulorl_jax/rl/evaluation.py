@@ -13,13 +13,12 @@ import logging
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
 from ulorl_jax.decode.segment import PromptItem, RolloutConfig, Sample, SegmentRollout
-from ulorl_jax.models.config import resolve_dtype
+from ulorl_jax.memory import kv_cache_bytes, memory_budget
 from ulorl_jax.rewards.scorer import RewardScorer
 from ulorl_jax.rl.packing import TrainSample
 from ulorl_jax.rl.pass_at_k import grouped_pass_at_k
@@ -88,26 +87,6 @@ class EvalPlan:
     slots: int
     kv_cache_bytes: int
     notes: list[str]
-
-
-def kv_cache_bytes(model_config, slots: int, max_len: int) -> int:
-    """Bytes of the engine's dense KV cache: slots x positions x layers x (K, V) x kv_heads x head_dim."""
-    c = model_config
-    itemsize = jnp.dtype(resolve_dtype(c.dtype)).itemsize
-    return slots * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
-
-
-def memory_budget(max_memory_gb: float | None) -> tuple[int, str]:
-    """(bytes, where the figure comes from): --max-memory, else the device's limit, else 80% of host RAM."""
-    if max_memory_gb is not None:
-        return int(max_memory_gb * 2**30), "--max-memory"
-    stats = jax.devices()[0].memory_stats() or {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"free memory of {jax.devices()[0]}"
-    import os
-
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(0.8 * total), "80% of host RAM"
 
 
 def plan_eval(cfg, model_config, prompts: list[PromptItem], *, k: int | None, max_new_tokens: int | None,

@@ -44,9 +44,10 @@ from ulorl_jax.config import RunConfig, config_to_yaml
 from ulorl_jax.data.sources import ProblemStream, SyntheticTask, eval_prompts, prompt_file_stream
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.jetstream_backend import make_segment_rollout
-from ulorl_jax.decode.placement import decode_placement, weight_bytes
+from ulorl_jax.decode.placement import decode_placement, device_memory_bytes, resolve_kind, weight_bytes
 from ulorl_jax.decode.segment import RolloutConfig, Sample
 from ulorl_jax.distributed import DistributedRollout
+from ulorl_jax.memory import check_train_memory, memory_budget, train_memory
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
 from ulorl_jax.rl.advantages import dynamic_sampling_report, grpo_advantages
@@ -128,8 +129,10 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
                  on_step: Callable[[int, dict], None] | None = None,
-                 length_oracle: Callable[[Sample], int | None] | None = None):
-        """`length_oracle` (tests, benchmarks): ends a sample as if EOS at the length it returns."""
+                 length_oracle: Callable[[Sample], int | None] | None = None, max_memory_gb: float | None = None):
+        """`length_oracle` (tests, benchmarks): ends a sample as if EOS at the length it returns.
+        `max_memory_gb`: the memory budget per device checked before allocating (default: the device's free
+        memory, or 80% of host RAM on CPU; `memory.py`)."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.on_step = on_step
@@ -145,8 +148,12 @@ class Trainer:
             log.warning("data.max_prompt_len %d + rollout.global_max_len %d = %d tokens exceed the model's %d "
                         "positions (max_position_embeddings): longer samples run past what it was trained on",
                         self.max_prompt_len, r.global_max_len, self.max_prompt_len + r.global_max_len, positions)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.mesh = build_mesh(cfg)
+        slots = r.max_concurrent_decodes or t.train_batch_size * r.n
+        eval_len = cfg.eval.max_new_tokens or r.global_max_len
+        max_len = self.max_prompt_len + max(r.global_max_len, eval_len)
+        self._check_memory(model, slots, max_len, max_memory_gb)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.learner = Learner(model, learner_config(cfg), self.mesh)
         self.placement = decode_placement(r.decode_mesh, self.mesh, self.learner.params)
         log.info("rollout decodes on %s (rollout.decode_mesh=%s)",
@@ -154,9 +161,6 @@ class Trainer:
         rollout_cfg = RolloutConfig(global_max_len=r.global_max_len, num_segments=r.num_segments,
                                     samples_per_prompt=r.n, max_prompt_len=self.max_prompt_len,
                                     eos_token_ids=eos_ids(self.tokenizer), sampling=sampling_params(cfg))
-        slots = r.max_concurrent_decodes or t.train_batch_size * r.n
-        eval_len = cfg.eval.max_new_tokens or r.global_max_len
-        max_len = self.max_prompt_len + max(r.global_max_len, eval_len)
         self.engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len,
                                    max_cache_len=max_len, prefill_buckets=r.prefill_buckets,
                                    prefill_token_budget=r.prefill_token_budget,
@@ -256,6 +260,23 @@ class Trainer:
         from ulorl_jax.data.sources import encode_prompt
 
         return encode_prompt(self.tokenizer, text, self.cfg.data.apply_chat_template)
+
+    def _check_memory(self, model, slots: int, max_len: int, max_memory_gb: float | None) -> None:
+        """Refuse, before the learner and engine allocate, a run whose state cannot fit (memory.py)."""
+        from flax import nnx
+
+        weights = weight_bytes(nnx.state(model, nnx.Param))
+        mesh = self.mesh
+        local = jax.local_device_count()
+        kind = resolve_kind(self.cfg.rollout.decode_mesh, jax.process_count(), weights,
+                            device_memory_bytes(jax.local_devices()[0]))
+        decode_devices = {"learner": mesh.size, "first_device": 1}.get(kind, local)
+        need = train_memory(model.config, weights, learner_shards=mesh.size // mesh.shape.get("data", 1),
+                            decode_kind=kind, decode_devices=decode_devices, slots=slots, max_len=max_len,
+                            shared_host=jax.default_backend() == "cpu")
+        budget, where = memory_budget(max_memory_gb)
+        check_train_memory(need, budget, where, slots=slots, max_len=max_len)
+        log.info("memory before activations: %.2f GiB of %.2f GiB (%s)", need.total / 2**30, budget / 2**30, where)
 
     # -- one RL step -------------------------------------------------------------------
 

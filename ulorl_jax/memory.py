@@ -1,0 +1,81 @@
+"""What a run needs in device memory, checked before anything large is allocated.
+
+`ulorl eval` checks its decode KV cache; `ulorl train` checks the learner's state (weights, gradients and
+AdamW's two moments), the rollout's copy of the weights and its KV cache, per device, against the device's
+free memory (or 80% of host RAM on CPU, or `--max-memory`). Activations are not counted: `ulorl plan`
+compiles the step and gives the whole figure. The point is to refuse a configuration that cannot fit with
+a message naming the figure and the options that change it, instead of an out-of-memory kill minutes in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from ulorl_jax.models.config import resolve_dtype
+
+
+def kv_cache_bytes(model_config, slots: int, max_len: int) -> int:
+    """Bytes of the engine's dense KV cache: slots x positions x layers x (K, V) x kv_heads x head_dim."""
+    c = model_config
+    itemsize = jnp.dtype(resolve_dtype(c.dtype)).itemsize
+    return slots * max_len * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * itemsize
+
+
+def memory_budget(max_memory_gb: float | None) -> tuple[int, str]:
+    """(bytes, where the figure comes from): --max-memory, else the first device's free memory, else 80%
+    of host RAM (CPU, where every device shares it)."""
+    if max_memory_gb is not None:
+        return int(max_memory_gb * 2**30), "--max-memory"
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"free memory of {device}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.8 * total), "80% of host RAM"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainMemory:
+    """Bytes per device (summed over the local devices where they share host RAM: CPU)."""
+
+    learner: int  # weights + gradients + AdamW's two moments, as the learner's mesh shards them
+    rollout_weights: int  # the engine's own copy (0 when it decodes with the learner's arrays)
+    kv_cache: int  # the engine's KV cache, split over its devices by slots
+
+    @property
+    def total(self) -> int:
+        return self.learner + self.rollout_weights + self.kv_cache
+
+
+def train_memory(model_config, weight_bytes: int, *, learner_shards: int, decode_kind: str, decode_devices: int,
+                 slots: int, max_len: int, shared_host: bool) -> TrainMemory:
+    """The learner's and the rollout's memory per device. `weight_bytes`: the whole model at its param dtype;
+    `learner_shards`: how many ways the learner's mesh splits it (fsdp x expert x tensor); `decode_kind`: a
+    concrete `rollout.decode_mesh`. With `shared_host` (CPU) the per-device figures are summed over devices."""
+    learner = 4 * weight_bytes // learner_shards  # params, grads, mu, nu (AdamW's moments take the param dtype)
+    rollout = {"learner": 0, "replicate": weight_bytes, "first_device": weight_bytes,
+               "shard": weight_bytes // max(decode_devices, 1)}[decode_kind]
+    kv = kv_cache_bytes(model_config, slots, max_len) // max(decode_devices, 1)
+    if shared_host:
+        devices = jax.local_device_count()
+        rollout_on = 1 if decode_kind == "first_device" else decode_devices
+        return TrainMemory(learner * devices, rollout * rollout_on, kv * max(decode_devices, 1))
+    return TrainMemory(learner, rollout, kv)
+
+
+def check_train_memory(need: TrainMemory, budget: int, where: str, *, slots: int, max_len: int) -> None:
+    """Refuse (ValueError) when `need` exceeds `budget`, naming the parts and the options that change them."""
+    if need.total <= budget:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"this run needs {need.total / gib:.2f} GiB before activations (learner weights, gradients and AdamW "
+        f"moments {need.learner / gib:.2f}, rollout weights {need.rollout_weights / gib:.2f}, decode KV cache "
+        f"{need.kv_cache / gib:.2f} for {slots} slots x {max_len} positions) but {where} allows "
+        f"{budget / gib:.2f} GiB: lower rollout.max_concurrent_decodes (slots), rollout.global_max_len or "
+        f"eval.max_new_tokens (positions), shard the model over more devices (mesh.*), or raise --max-memory "
+        f"(`ulorl plan` gives the full figure, activations included)")
