@@ -94,13 +94,27 @@ def test_segmented_logprobs_match_unsegmented(engine, reference):
     np.testing.assert_allclose(four[0].logprobs, one[0].logprobs, atol=1e-4)
 
 
+_PAD = 32  # every prompt + GLOBAL tokens fits: one compiled shape for the reference forwards
+
+
+def _logits_under(model, params, seq: list[int]) -> jax.Array:
+    """[len(seq), V] logits of one full forward (no KV cache) with `params`, right-padded to _PAD."""
+    graphdef, _, other = nnx.split(model, nnx.Param, ...)
+    fwd = _FORWARDS.setdefault(id(model), jax.jit(
+        lambda p, t, m: nnx.merge(graphdef, p, other)(t, attention_mask=m)))
+    tokens, mask = np.zeros((1, _PAD), np.int32), np.zeros((1, _PAD), np.int32)
+    tokens[0, :len(seq)], mask[0, :len(seq)] = seq, 1
+    return fwd(params, tokens, mask)[0, :len(seq)]
+
+
+_FORWARDS: dict = {}
+
+
 def _greedy_under(model, params, prefix: list[int], n: int) -> list[int]:
     """Independent reference: `n` greedy tokens after `prefix` by full forwards (no KV cache) with `params`."""
-    m = nnx.clone(model)
-    nnx.update(m, params)
     seq = list(prefix)
     for _ in range(n):
-        seq.append(int(jax.numpy.argmax(m(jax.numpy.asarray([seq]))[0, -1])))
+        seq.append(int(jax.numpy.argmax(_logits_under(model, params, seq)[-1])))
     return seq[len(prefix):]
 
 
@@ -131,10 +145,8 @@ def test_carried_samples_continue_under_the_new_weights(model):
             assert s.response_ids[v * seg:(v + 1) * seg] == _greedy_under(model, params, before, seg), (s.prompt_index, v)
             if v and _greedy_under(model, versions[v - 1], before, seg) != s.response_ids[v * seg:(v + 1) * seg]:
                 changed += 1  # the previous weights would have continued differently
-        m = nnx.clone(model)
-        nnx.update(m, versions[-1])
         seq = prompt + s.response_ids
-        logp = jax.nn.log_softmax(m(jax.numpy.asarray([seq]))[0, len(prompt) - 1:-1])
+        logp = jax.nn.log_softmax(_logits_under(model, versions[-1], seq)[len(prompt) - 1:-1])
         last = [float(logp[t, tok]) for t, tok in enumerate(s.response_ids)][-seg:]
         np.testing.assert_allclose(s.logprobs[-seg:], last, atol=1e-4)
     assert changed > 0, "the weight versions decode alike: the test would not see stale weights"
