@@ -18,6 +18,12 @@ lowers for sm90 when no GPU is present, so one code path serves both.
 
 Shapes use the GPU default block sizes, bf16, GQA and lengths that are not
 multiples of the blocks, so the padded paths lower too.
+
+Every Triton module is also run through MLIR's verifier as it is built
+(`_verified_triton_modules`). The GPU parses the module and verifies it before
+compiling; an op that lowers but does not verify (an `scf.for` whose bounds have
+different types: the grouped matmul's, found on the first H200 run) fails there
+with "Failed to parse Triton module", and fails here too.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ import pytest
 from jax import export
 from jax.sharding import use_abstract_mesh
 
+try:  # the hook where Pallas builds each Triton module (jax internals, checked in _verified_triton_modules)
+    from jax._src.pallas.triton import pallas_call_registration as _triton_registration
+except ImportError:  # pragma: no cover - depends on the jax version
+    _triton_registration = None
+
 from ulorl_jax.kernels import decode_attention, flash_attention, grouped_matmul
 from ulorl_jax.kernels.decode_attention import default_decode_params
 from ulorl_jax.kernels.flash_attention import default_block_sizes
@@ -35,6 +46,28 @@ from ulorl_jax.kernels.gpu_target import abstract_gpu_mesh
 from ulorl_jax.kernels.grouped_matmul import default_gmm_block_sizes
 
 TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture(autouse=True)
+def _verified_triton_modules(monkeypatch):
+    """Runs MLIR's verifier on every Triton module Pallas builds while a test lowers; a module that
+    fails (as the GPU's parser would reject it) fails the test with the verifier's message."""
+    lower = getattr(getattr(_triton_registration, "lowering", None), "lower_jaxpr_to_triton_module", None)
+    if lower is None:
+        pytest.skip(f"jax {jax.__version__} moved Pallas' Triton lowering hook: cannot verify the modules")
+    failures = []
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        try:
+            result.module.operation.verify()
+        except Exception as e:  # MLIRError: the verifier's diagnostics
+            failures.append(str(e).splitlines()[0][:400])
+        return result
+
+    monkeypatch.setattr(_triton_registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
+    yield failures
+    assert not failures, f"Triton modules that do not verify: {failures}"
 
 
 def _cuda_module(fn, *args) -> str:

@@ -142,7 +142,10 @@ def _gmm_kernel(vg_ref, vt_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref,
             return acc + _dot_nt(a, rhs_ref[rhs_group, cols, cs])  # 'mc,oc->mo'
         return acc + _dot_nn(a, rhs_ref[rhs_group, cs, cols])  # 'mc,co->mo'
 
-    steps = jnp.where(group < num_groups, n_contract // bc, 0)  # zero group: acc stays 0
+    # zero group: acc stays 0. (Not jnp.where(cond, k, 0): Pallas' Triton lowering types a select of two
+    # literals as i1, and the scf.for then fails to verify on the GPU: 'lowerBound, upperBound, step
+    # have same type'.)
+    steps = (group < num_groups).astype(jnp.int32) * (n_contract // bc)
     acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bo), jnp.float32))
     plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype),
                 mask=jnp.broadcast_to(own[:, None], (bm, bo)))
