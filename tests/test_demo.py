@@ -55,8 +55,9 @@ def test_quick_demo_runs_end_to_end(tmp_path):
                           *QUICK_TEST], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "== ulorl demo summary ==" in out.stdout
+    assert "This was a smoke run: 4 RL steps" in out.stdout and "benchmarks/results/demo.md" in out.stdout
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary == json.loads((run / "summary.json").read_text())
+    assert summary == json.loads((run / "summary.json").read_text()) and summary["quick"] is True
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert summary["steps"] == load_config("tiny_cpu", QUICK_TEST).trainer.total_steps == 4
     assert (run / "metrics.jsonl").read_text().count("\n") == summary["steps"]
