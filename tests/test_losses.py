@@ -12,6 +12,7 @@ import pytest
 
 from ulorl_jax.rl import (
     logprob_mismatch,
+    logprob_mismatch_sums,
     old_logprobs_for,
     token_policy_loss,
     validate_loss_inputs,
@@ -271,6 +272,14 @@ def test_logprob_mismatch_matches_numpy():
     diff = np.abs(learner - sampling)[mask > 0]
     np.testing.assert_allclose(out["mean_abs_logprob_diff"], diff.mean(), rtol=1e-5)
     np.testing.assert_allclose(out["max_ratio"], np.exp(diff.max()), rtol=1e-5)
+    # The sums the learner adds over micro-batches: two halves add up to the whole, host arrays or jit.
+    halves = [logprob_mismatch_sums(sampling[i], learner[i], mask[i]) for i in (slice(0, 1), slice(1, 3))]
+    whole = jax.jit(logprob_mismatch_sums)(sampling, learner, mask)
+    np.testing.assert_allclose(sum(float(h["mismatch_abs_sum"]) for h in halves), diff.sum(), rtol=1e-5)
+    np.testing.assert_allclose(float(whole["mismatch_abs_sum"]), diff.sum(), rtol=1e-5)
+    assert float(whole["mismatch_tokens"]) == sum(float(h["mismatch_tokens"]) for h in halves) == diff.size
+    assert float(whole["mismatch_abs_max"]) == max(float(h["mismatch_abs_max"]) for h in halves)
+    np.testing.assert_allclose(float(whole["mismatch_abs_max"]), diff.max(), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------

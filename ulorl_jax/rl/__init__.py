@@ -15,7 +15,7 @@ from ulorl_jax.rl.losses import (
 )
 
 # Importance sampling under segments
-from ulorl_jax.rl.losses import logprob_mismatch, old_logprobs_for
+from ulorl_jax.rl.losses import logprob_mismatch, logprob_mismatch_sums, old_logprobs_for
 
 # Advantages and dynamic sampling
 from ulorl_jax.rl.advantages import (
@@ -50,6 +50,7 @@ __all__ = [
     "validate_loss_inputs",
     "weighted_policy_loss",
     "logprob_mismatch",
+    "logprob_mismatch_sums",
     "old_logprobs_for",
     "DynamicSamplingReport",
     "dynamic_sampling_keep",

@@ -45,7 +45,14 @@ from ulorl_jax.models.fallback import warn_once
 from ulorl_jax.models.layer_scan import scan_layers, unscannable
 from ulorl_jax.models.moe import load_balancing_loss
 from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
-from ulorl_jax.rl.losses import ENTROPY_MODES, IS_MODES, LOSS_AGG_MODES, MASK_MODES, weighted_policy_loss
+from ulorl_jax.rl.losses import (
+    ENTROPY_MODES,
+    IS_MODES,
+    LOSS_AGG_MODES,
+    MASK_MODES,
+    logprob_mismatch_sums,
+    weighted_policy_loss,
+)
 from ulorl_jax.rl.packing import PackedBatch, TrainSample, loss_weights, pack_samples, validate_samples
 from ulorl_jax.sharding import BATCH_AXES, MeshConfig, MeshError, axis_size, make_mesh, mesh_context, param_shardings
 
@@ -219,14 +226,11 @@ def _micro_loss(params, graphdef, other, mb: dict, scalars: dict, config: Learne
     resp = m > 0
     ent_sg = jax.lax.stop_gradient(entropy)
     logp_sg = jax.lax.stop_gradient(logp)
-    mismatch = jnp.abs(logp_sg - mb["rollout_logprobs"]) * mb["has_rollout_logprobs"] * m
     sums = {
         "tokens": jnp.sum(m),
         "entropy_sum": jnp.sum(jnp.where(resp, ent_sg, 0.0)),
         "real_tokens": jnp.sum((mb["segment_ids"] > 0).astype(jnp.float32)),
-        "mismatch_abs_sum": jnp.sum(mismatch),
-        "mismatch_tokens": jnp.sum(mb["has_rollout_logprobs"] * m),
-        "mismatch_abs_max": jnp.max(mismatch),
+        **logprob_mismatch_sums(mb["rollout_logprobs"], logp_sg, mb["has_rollout_logprobs"] * m),
         "nll_sum": jnp.sum(jnp.where(resp, -logp_sg, 0.0)),
         "aux_loss": jax.lax.stop_gradient(aux) * scalars["aux_scale"],
     }
@@ -486,10 +490,10 @@ class Learner:
                 batch["old_from_current"] = np.zeros((), bool)
                 tokens = m.sum()
                 batch["batch_entropy"] = np.asarray((entropy * m).sum() / max(tokens, 1.0), np.float32)
-                diff = np.abs(logp - batch["rollout_logprobs"]) * batch["has_rollout_logprobs"] * m
-                pre["mismatch_abs_sum"] += float(diff.sum())
-                pre["mismatch_tokens"] += float((batch["has_rollout_logprobs"] * m).sum())
-                pre["mismatch_abs_max"] = max(pre["mismatch_abs_max"], float(diff.max()))
+                sums = logprob_mismatch_sums(batch["rollout_logprobs"], logp, batch["has_rollout_logprobs"] * m)
+                pre["mismatch_abs_sum"] += float(sums["mismatch_abs_sum"])
+                pre["mismatch_tokens"] += float(sums["mismatch_tokens"])
+                pre["mismatch_abs_max"] = max(pre["mismatch_abs_max"], float(sums["mismatch_abs_max"]))
             else:  # one update: the step's own forward is the policy at the start
                 batch["old_from_current"] = np.asarray(cfg.is_mode == "pois")
             device_batches.append(self.put_batch(batch))

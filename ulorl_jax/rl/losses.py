@@ -331,6 +331,25 @@ def weighted_policy_loss(
 # ---------------------------------------------------------------------------
 
 
+def logprob_mismatch_sums(
+    sampling_logprobs: jnp.ndarray,
+    learner_logprobs: jnp.ndarray,
+    response_mask: jnp.ndarray,
+) -> dict[str, jnp.ndarray]:
+    """The rollout-vs-learner log-prob gap as sums that add over micro-batches: mismatch_abs_sum
+    (sum of |learner - sampling| over the mask's tokens), mismatch_tokens, mismatch_abs_max. The one
+    definition: the learner's step (in jit), its forward-only pre-scoring pass (on host arrays) and
+    `logprob_mismatch` all call it."""
+    response = jnp.asarray(response_mask) > 0
+    diff = jnp.asarray(learner_logprobs, jnp.float32) - jnp.asarray(sampling_logprobs, jnp.float32)
+    abs_diff = jnp.where(response, jnp.abs(diff), 0.0)
+    return {
+        "mismatch_abs_sum": jnp.sum(abs_diff),
+        "mismatch_tokens": jnp.sum(response.astype(jnp.float32)),
+        "mismatch_abs_max": jnp.max(abs_diff, initial=0.0),
+    }
+
+
 def logprob_mismatch(
     sampling_logprobs: jnp.ndarray,
     learner_logprobs: jnp.ndarray,
@@ -342,13 +361,10 @@ def logprob_mismatch(
     same tokens at the same sampling temperature. Returns mean_abs_logprob_diff
     and max_ratio = max exp(|diff|) (1 with no response tokens).
     """
-    response = response_mask.astype(bool)
-    diff = jnp.where(response, learner_logprobs.astype(jnp.float32) - sampling_logprobs.astype(jnp.float32), 0.0)
-    abs_diff = jnp.abs(diff)
-    m = response.astype(jnp.float32)
+    sums = logprob_mismatch_sums(sampling_logprobs, learner_logprobs, response_mask)
     return {
-        "mean_abs_logprob_diff": _safe_div(jnp.sum(abs_diff * m), m.sum()),
-        "max_ratio": jnp.exp(jnp.max(abs_diff)),
+        "mean_abs_logprob_diff": _safe_div(sums["mismatch_abs_sum"], sums["mismatch_tokens"]),
+        "max_ratio": jnp.exp(sums["mismatch_abs_max"]),
     }
 
 
