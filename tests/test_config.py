@@ -294,3 +294,18 @@ def test_property_any_override_is_accepted_or_config_error(key, value):
     except ConfigError:
         return
     assert isinstance(cfg, RunConfig)
+
+
+@pytest.mark.parametrize("value, policy", [("dots", "dots"), ("dots_saveable", "dots_saveable"), ("none", "none"),
+                                           ("full", "full"), ("true", "full"), ("false", "none")])
+def test_every_remat_policy_reaches_the_learner_from_yaml(value, policy):
+    from ulorl_jax.rl.build import learner_config
+    from ulorl_jax.rl.learner import REMAT_POLICIES
+
+    cfg = load_config("tiny_cpu", [f"trainer.remat={value}"])
+    assert learner_config(cfg).remat == policy and policy in REMAT_POLICIES
+
+
+def test_bad_remat_names_the_key_and_the_policies():
+    with pytest.raises(ConfigError, match=r"trainer.remat='dot': expected one of \['none', 'full', 'dots'"):
+        load_config("tiny_cpu", ["trainer.remat=dot"])

@@ -9,6 +9,8 @@ MASK_MODES = ("none", "mpt", "dmmpt")
 # DMMPT's entropy: per sample H̄_i (the paper) or the batch mean
 ENTROPY_MODES = ("sample", "batch")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+# per-layer rematerialisation in the learner's backward pass (rl/learner.py REMAT_POLICIES)
+REMAT = ("none", "full", "dots", "dots_saveable")
 REWARD_KINDS = ("rule", "verifier", "custom")
 # rule kind: the last \boxed{} (the paper) or math-verify's own extraction
 EXTRACTIONS = ("boxed", "math_verify")

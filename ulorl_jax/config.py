@@ -40,7 +40,7 @@ __all__ = [
     "ConfigError", "RunConfig", "ModelOptions", "MeshOptions", "DataOptions", "RolloutOptions",
     "AlgorithmOptions", "OptimOptions", "TrainerOptions", "RewardOptions", "EvalOptions",
     "CheckpointOptions", "LoggingOptions", "load_config", "config_to_yaml", "config_to_dict",
-    "shipped_configs", "CHOICES",
+    "shipped_configs", "CHOICES", "remat_policy",
 ]
 
 # Allowed values of the enum-like string options, by dotted key (each list defined once: choices.py).
@@ -191,7 +191,9 @@ class TrainerOptions:
     ppo_epochs: int = 1
     micro_batch_rows: int = 1  # packed rows per gradient-accumulation micro-batch
     row_len: int | None = None  # tokens per packed row; null = max_prompt_len + global_max_len
-    remat: bool = True  # recompute each layer in the backward pass
+    # per-layer recomputation in the backward pass: full (save each layer's input only), dots (also save
+    # the weight matmuls), dots_saveable, none; true / false (older configs) mean full / none
+    remat: Any = "full"
     # decoder layers as one lax.scan over their stacked weights: compile time independent of depth and
     # one layer's activations live in the backward pass; costs a compute-dtype copy of the layer weights
     scan_layers: bool = False
@@ -499,6 +501,16 @@ def _require(ok: bool, key: str, value: Any, expected: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected {expected}")
 
 
+def remat_policy(value) -> str:
+    """`trainer.remat` as a policy name of `choices.REMAT`: true / false (older configs) are full / none."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in choices.REMAT:
+        raise ConfigError(f"trainer.remat={value!r}: expected one of {list(choices.REMAT)}, or true (= full) / "
+                          "false (= none)")
+    return value
+
+
 def validate(cfg: RunConfig) -> None:
     """Range and cross-field checks; raises ConfigError naming the key, value and expectation."""
     flat = _flatten(config_to_dict(cfg))
@@ -574,6 +586,7 @@ def validate(cfg: RunConfig) -> None:
     _require(o.eps > 0, "optim.eps", o.eps, "> 0")
 
     t = cfg.trainer
+    remat_policy(t.remat)
     for name in ("train_batch_size", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_rows", "logprob_chunk",
                  "max_consecutive_skips", "max_consecutive_nonfinite", "dynamic_sampling_max_rounds"):
         _require(getattr(t, name) >= 1, f"trainer.{name}", getattr(t, name), ">= 1")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ulorl_jax.config import RunConfig
+from ulorl_jax.config import RunConfig, remat_policy
 from ulorl_jax.decode.sampling import SamplingParams
 from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
 from ulorl_jax.rl.learner import LearnerConfig
@@ -61,7 +61,7 @@ def learner_config(cfg: RunConfig) -> LearnerConfig:
         lr=o.lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay, adam_b1=o.betas[0],
         adam_b2=o.betas[1], adam_eps=o.eps, grad_clip=o.grad_clip or 0.0,
         ppo_mini_batch_size=t.ppo_mini_batch_size, ppo_epochs=t.ppo_epochs, micro_batch_rows=t.micro_batch_rows,
-        row_len=row_len, remat="full" if t.remat else "none", scan_layers=t.scan_layers,
+        row_len=row_len, remat=remat_policy(t.remat), scan_layers=t.scan_layers,
         logprob_chunk=t.logprob_chunk,
         temperature=r.temperature if r.temperature > 0 else 1.0)
 

@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ulorl_jax import choices
 from ulorl_jax.models.attention import AttentionMask
 from ulorl_jax.models.fallback import warn_once
 from ulorl_jax.models.layer_scan import scan_layers, unscannable
@@ -67,6 +68,7 @@ REMAT_POLICIES: dict[str, Any] = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # save weight matmuls, recompute the rest
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
 }
+assert tuple(REMAT_POLICIES) == choices.REMAT, "choices.REMAT names the policies"
 
 
 @dataclasses.dataclass(frozen=True)
