@@ -17,6 +17,7 @@ restart at each segment unless given).
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import jax
@@ -25,9 +26,13 @@ from flax import nnx
 
 from ulorl_jax.models.attention import AttentionMask, get_attention_impl
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
+from ulorl_jax.models.fallback import warn_once
+from ulorl_jax.models.layer_scan import scan_layers, unscannable
 from ulorl_jax.models.moe import SparseMoeBlock, load_balancing_loss
 from ulorl_jax.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from ulorl_jax.sharding import constrain, param_shardings
+
+log = logging.getLogger(__name__)
 
 
 class KVCache(NamedTuple):
@@ -184,10 +189,16 @@ class Qwen3ForCausalLM(nnx.Module):
     # -- full forward -----------------------------------------------------------------
 
     def forward(self, tokens, *, positions=None, segment_ids=None, attention_mask=None,
-                compute_logits: bool = True) -> ForwardOutput:
+                compute_logits: bool = True, remat_policy=None, scan: bool = False) -> ForwardOutput:
         """tokens [B, T] int32. `attention_mask` [B, T] (1 = real) for padded
         batches; `segment_ids` [B, T] (>0, 0 = padding) for packed rows.
-        Default positions: per segment (packed), else count of real tokens before."""
+        Default positions: per segment (packed), else count of real tokens before.
+
+        The one training / scoring forward (the learner calls it): `remat_policy` (a
+        `jax.checkpoint_policies` policy, None = keep every activation) wraps each decoder layer
+        in `nnx.remat`, so the backward pass keeps one layer's activations at a time; `scan` runs
+        the layers as one `lax.scan` over their stacked weights (models/layer_scan.py; models
+        whose layers differ run unrolled, with a warning)."""
         b, t = tokens.shape
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
@@ -196,15 +207,9 @@ class Qwen3ForCausalLM(nnx.Module):
         elif positions is None:
             positions = positions_from_segments(segment_ids)
         segment_ids = segment_ids.astype(jnp.int32)
-        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = AttentionMask(segment_ids, segment_ids, idx, is_self_attention=True)
         x = self._embed(tokens)
         cos, sin = self._rope(positions, x.dtype)
-        router_logits = []
-        for layer in self.layers:
-            x, _, rl = layer(x, cos, sin, mask)
-            if rl is not None:
-                router_logits.append(rl)
+        x, router_logits = self._packed_layers(x, cos, sin, segment_ids, remat_policy, scan)
         hidden = self.norm(x)
         logits = hidden @ self.lm_head_weight().astype(hidden.dtype) if compute_logits else None
         aux = jnp.zeros((), jnp.float32)
@@ -212,6 +217,30 @@ class Qwen3ForCausalLM(nnx.Module):
             aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok,
                                       segment_ids.reshape(-1) != 0)
         return ForwardOutput(hidden, logits, tuple(router_logits), aux)
+
+    def _packed_layers(self, x, cos, sin, segment_ids, remat_policy, scan: bool) -> tuple[jnp.ndarray, list]:
+        """The decoder layers over packed rows (self-attention within segments) -> (x, router logits)."""
+        b, t = segment_ids.shape
+        idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+        def layer_fn(layer, x, cos, sin, seg, idx):  # the mask is built inside: remat / scan take arrays
+            y, _, router_logits = layer(x, cos, sin, AttentionMask(seg, seg, idx, is_self_attention=True))
+            return y, router_logits
+
+        reason = unscannable(self.layers) if scan else None
+        if scan and reason is None:
+            x, stacked = scan_layers(self.layers, layer_fn, x, cos, sin, segment_ids, idx, policy=remat_policy,
+                                     dtype=x.dtype)
+            return x, [] if stacked is None else list(stacked)  # MoE: router logits [L, B*T, E]
+        if scan:
+            warn_once(log, "scan_layers", f"scan_layers: running the layers unrolled ({reason})")
+        call = layer_fn if remat_policy is None else nnx.remat(layer_fn, policy=remat_policy)
+        router_logits = []
+        for layer in self.layers:
+            x, rl = call(layer, x, cos, sin, segment_ids, idx)
+            if rl is not None:
+                router_logits.append(rl)
+        return x, router_logits
 
     def __call__(self, tokens, *, positions=None, segment_ids=None, attention_mask=None) -> jnp.ndarray:
         return self.forward(tokens, positions=positions, segment_ids=segment_ids,

@@ -41,10 +41,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulorl_jax import choices
-from ulorl_jax.models.attention import AttentionMask
-from ulorl_jax.models.fallback import warn_once
-from ulorl_jax.models.layer_scan import scan_layers, unscannable
-from ulorl_jax.models.moe import load_balancing_loss
 from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.rl.losses import (
     ENTROPY_MODES,
@@ -156,47 +152,12 @@ def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
 
 def policy_forward(model, tokens: jnp.ndarray, positions: jnp.ndarray, segment_ids: jnp.ndarray, *,
                    remat: str = "none", scan: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Packed rows -> (hidden [B, T, D] after the final norm, MoE aux loss).
-
-    The same computation as `Qwen3ForCausalLM.forward(compute_logits=False)`
-    (tested equal), with each decoder layer wrapped in `nnx.remat` under the
-    named policy, so the backward pass keeps one layer's activations at a time.
-    `scan`: run the layers as one `lax.scan` over their stacked weights
-    (models/layer_scan.py); models whose layers differ run unrolled, with a warning.
-    """
-    policy = REMAT_POLICIES[remat]
-    b, t = tokens.shape
-    segment_ids = segment_ids.astype(jnp.int32)
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = model._embed(tokens)  # [B, T, D]
-    cos, sin = model._rope(positions, x.dtype)
-
-    def layer_fn(layer, x, cos, sin, seg, idx):
-        mask = AttentionMask(seg, seg, idx, is_self_attention=True)
-        y, _, router_logits = layer(x, cos, sin, mask)
-        return y, router_logits
-
-    router_logits = []
-    reason = unscannable(model.layers) if scan else None
-    if scan and reason is None:
-        x, stacked = scan_layers(model.layers, layer_fn, x, cos, sin, segment_ids, idx, policy=policy, dtype=x.dtype)
-        if stacked is not None:  # MoE: router logits [L, B*T, E]
-            router_logits = list(stacked)
-    else:
-        if scan:
-            warn_once(log, "scan_layers", f"learner.scan_layers: running the layers unrolled ({reason})")
-        call = layer_fn if policy is None else nnx.remat(layer_fn, policy=policy)
-        for layer in model.layers:
-            x, rl = call(layer, x, cos, sin, segment_ids, idx)
-            if rl is not None:
-                router_logits.append(rl)
-    hidden = model.norm(x)
-    aux = jnp.zeros((), jnp.float32)
-    if router_logits:
-        cfg = model.config
-        aux = load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok,
-                                  segment_ids.reshape(-1) != 0)
-    return hidden, aux
+    """Packed rows -> (hidden [B, T, D] after the final norm, MoE aux loss): the model's own
+    `forward(compute_logits=False)` with the named remat policy (REMAT_POLICIES) and optional
+    scanned layers."""
+    out = model.forward(tokens, positions=positions, segment_ids=segment_ids, compute_logits=False,
+                        remat_policy=REMAT_POLICIES[remat], scan=scan)
+    return out.hidden, out.aux_loss
 
 
 def _token_scores(model, mb: dict, config: LearnerConfig) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
