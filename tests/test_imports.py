@@ -1,5 +1,5 @@
 """The package's import graph: no cycles between modules, no module importing another module's private
-names (issue 21). Read from the source with `ast` (function-level imports included), so a cycle hidden
+names, and layers that import only downwards (issue 21). Read from the source with `ast` (function-level imports included), so a cycle hidden
 behind a lazy import counts too."""
 
 from __future__ import annotations
@@ -88,3 +88,40 @@ def test_no_module_imports_another_modules_private_names():
     private = [f"{module} imports {target}.{name}" for module, found in _imports().items()
                for target, name in found if name and name.startswith("_") and not name.startswith("__")]
     assert private == []
+
+
+# Layering (issue 21, item 1): package -> packages it must not import. The one exception is the data
+# cleaning step, which runs the policy to drop prompts it always solves.
+FORBIDDEN = {"models": {"decode", "rl", "rewards", "data"}, "decode": {"rl", "rewards", "data"},
+             "data": {"decode"}, "sharding": {"models"}}
+ALLOWED = {("ulorl_jax.data.clean", "decode")}
+FACE = {"ulorl_jax.cli", "ulorl_jax.commands"}  # the CLI: the only modules besides bench/ that import bench/
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            forbidden = _part(dep) in FORBIDDEN.get(_part(module), ()) and (module, _part(dep)) not in ALLOWED
+            upward = dep in FACE and module not in FACE
+            bench = _part(dep) == "bench" and _part(module) != "bench" and module not in FACE
+            if forbidden or upward or bench:
+                bad.append(f"{module} -> {dep}")
+    return bad
+
+
+def test_layers_import_only_downwards():
+    assert _layer_violations(_graph()) == []
+
+
+def test_layer_check_finds_a_wrong_arrow():
+    graph = {"ulorl_jax.models.qwen3": {"ulorl_jax.rl.learner"}, "ulorl_jax.plan": {"ulorl_jax.bench.harness"},
+             "ulorl_jax.data.clean": {"ulorl_jax.decode.engine"}, "ulorl_jax.rl.trainer": {"ulorl_jax.commands"}}
+    assert _layer_violations(graph) == ["ulorl_jax.models.qwen3 -> ulorl_jax.rl.learner",
+                                        "ulorl_jax.plan -> ulorl_jax.bench.harness",
+                                        "ulorl_jax.rl.trainer -> ulorl_jax.commands"]

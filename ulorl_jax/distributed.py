@@ -194,7 +194,7 @@ class DistributedRollout:
         """One segment step over this process's share of `prompts`; `score(samples)` (e.g. the
         trainer's reward) runs on this process's ended samples before the gather, so each sample is
         scored once and every process sees the same `metadata` (rewards)."""
-        from ulorl_jax.decode.segment import Sample
+        from ulorl_jax.types import Sample
 
         n = self.rollout.config.samples_per_prompt
         start, mine = shard_prompts(prompts, self.process_index, self.process_count)
@@ -219,7 +219,7 @@ class DistributedRollout:
 
     def load_state_dict(self, state: dict) -> None:
         """Process i takes `unfinished_pools[i]`; a state saved by another number of processes is refused."""
-        from ulorl_jax.decode.segment import Sample
+        from ulorl_jax.types import Sample
 
         pools = state.get("unfinished_pools")
         saved = 1 if pools is None else len(pools)  # a one-process SegmentRollout state has "unfinished_pool"

@@ -5,12 +5,15 @@ AdamW's two moments), the rollout's copy of the weights and its KV cache, per de
 free memory (or 80% of host RAM on CPU, or `--max-memory`). Activations are not counted: `ulorl plan`
 compiles the step and gives the whole figure. The point is to refuse a configuration that cannot fit with
 a message naming the figure and the options that change it, instead of an out-of-memory kill minutes in.
+`PeakRSS` measures what a block of work took (the plan's check against a measured step, the benches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -79,3 +82,30 @@ def check_train_memory(need: TrainMemory, budget: int, where: str, *, slots: int
         f"{budget / gib:.2f} GiB: lower rollout.max_concurrent_decodes (slots), rollout.global_max_len or "
         f"eval.max_new_tokens (positions), shard the model over more devices (mesh.*), or raise --max-memory "
         f"(`ulorl plan` gives the full figure, activations included)")
+
+
+class PeakRSS:
+    """Peak resident memory growth (bytes) of this process while the block runs."""
+
+    def __enter__(self):
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.growth = self.peak - self.start

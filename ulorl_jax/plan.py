@@ -234,7 +234,7 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
          config_name: str = "", compile: bool = True) -> dict:
     import jax
 
-    from ulorl_jax.bench.segment_cost import ModelShape
+    from ulorl_jax.models.shape import ModelShape
     from ulorl_jax.models.layer_scan import unscannable
     from ulorl_jax.rl.build import learner_config
     from ulorl_jax.sharding import BATCH_AXES, axis_size, make_mesh
@@ -411,7 +411,7 @@ def measure_train_step(model_config, learner_config, rows: int, row_len: int, se
     leave the process) next to the compiled memory analysis of the same executable."""
     import numpy as np
 
-    from ulorl_jax.bench.harness import PeakRSS
+    from ulorl_jax.memory import PeakRSS
     from ulorl_jax.models import init_model
     from ulorl_jax.rl.learner import Learner
     from ulorl_jax.rl.packing import TrainSample

@@ -11,14 +11,15 @@ import json
 import os
 import platform
 import statistics
-import threading
 import time
+
+from ulorl_jax.memory import PeakRSS  # noqa: F401  (the benches' peak-RSS meter, harness.PeakRSS)
 
 
 def machine_info() -> dict:
+    import flax
     import jax
     import jaxlib
-    import flax
     import torch
     import transformers
 
@@ -82,33 +83,6 @@ def timing_stats(times: list[float], tokens: int) -> dict:
     med = statistics.median(times)
     return {"median_s": med, "min_s": min(times), "max_s": max(times), "tokens_per_s": tokens / med,
             "times_s": times}
-
-
-class PeakRSS:
-    """Peak resident memory growth (bytes) of this process while the block runs."""
-
-    def __enter__(self):
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _poll(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        self.growth = self.peak - self.start
 
 
 NOISY_OTHER_FRAC = 0.1  # other processes' CPU share above which timings are flagged as unreliable

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ulorl_jax.data.readers import BadRow, read_rows
-from ulorl_jax.decode.segment import PromptItem
+from ulorl_jax.types import PromptItem
 
 logger = logging.getLogger(__name__)
 

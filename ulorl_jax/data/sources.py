@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ulorl_jax.data.synthetic import SyntheticConfig, SyntheticProblem, make_splits, noisy_trace
-from ulorl_jax.decode.segment import PromptItem
+from ulorl_jax.types import PromptItem
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ def eos_ids(config, tokenizer) -> tuple[int, ...]:
 
 
 def load_prompts(path, tokenizer) -> list:
-    from ulorl_jax.decode.segment import PromptItem
+    from ulorl_jax.types import PromptItem
 
     path = Path(path)
     if not path.is_file():

@@ -62,7 +62,7 @@ from ulorl_jax.choices import ROLLOUT_BACKENDS  # noqa: F401  (re-exported)
 from ulorl_jax.decode.engine import Completion, PolicyEngine, Request, RunStats, register_as_jetstream_engine
 from ulorl_jax.decode.sampling import SamplingParams, filter_logits
 from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
-from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
+from ulorl_jax.models.logprobs import chunked_logprobs_and_entropy
 
 JETSTREAM_REQUIREMENT = "google-jetstream==0.2.2"
 _OFFLINE_WARNING = "LLM orchestrator is being used in offline test mode"
@@ -381,7 +381,7 @@ def _pad_len(n: int, multiple: int = 16) -> int:
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
 def _score(graphdef, rest, params, tokens, mask, *, sampling: SamplingParams):
     """tokens/mask [B, L] right-padded -> (logprob, sampling_logprob) [B, L-1] of tokens[:, 1:].
-    `logprob` is chunked along L (the learner's rl/logprobs.py), so long responses never build
+    `logprob` is chunked along L (models/logprobs.py, as the learner), so long responses never build
     [B, L, V]; only top-k / top-p `sampling_logprob`s need the full logits."""
     model = nnx.merge(graphdef, params, rest)
     hidden = model.forward(tokens, attention_mask=mask, compute_logits=False).hidden[:, :-1]  # [B, L-1, D]

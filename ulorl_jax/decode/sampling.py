@@ -1,6 +1,6 @@
 """Token sampling: temperature, top-k, top-p, greedy; with the log-probs RL needs.
 
-Log-prob convention (shared with the learner, see DESIGN.md / rl/logprobs.py):
+Log-prob convention (shared with the learner, see DESIGN.md / models/logprobs.py):
 - `logprob` = log softmax(logits / T)[token] for T > 0: the full,
   temperature-scaled policy, with no top-k / top-p. This is what the learner
   recomputes with `temperature=T`, and what SAIS (ULORL.md §2) records as

@@ -26,7 +26,7 @@ from ulorl_jax.rl.advantages import (
 )
 
 # Token log-probs and entropy
-from ulorl_jax.rl.logprobs import (
+from ulorl_jax.models.logprobs import (
     chunked_logprobs_and_entropy,
     full_logprobs_and_entropy,
     sample_mean_entropy,

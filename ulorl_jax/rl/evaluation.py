@@ -17,11 +17,12 @@ import numpy as np
 
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
-from ulorl_jax.decode.segment import PromptItem, RolloutConfig, Sample, SegmentRollout
+from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
 from ulorl_jax.memory import kv_cache_bytes, memory_budget
 from ulorl_jax.rewards.scorer import RewardScorer
 from ulorl_jax.rl.packing import TrainSample
 from ulorl_jax.rl.pass_at_k import grouped_pass_at_k
+from ulorl_jax.types import PromptItem, Sample
 
 log = logging.getLogger(__name__)
 

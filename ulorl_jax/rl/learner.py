@@ -11,7 +11,7 @@ parallel, tensor parallel optional) and donated state. Inside it:
   mini-batch gradient); all-padding micro-batches (shape buckets) are skipped
   with `lax.cond`;
 - each micro-batch runs the policy with per-layer remat (`remat`), then the
-  chunked log-prob / entropy of `ulorl_jax.rl.logprobs` (never [r, L, V] at
+  chunked log-prob / entropy of `ulorl_jax.models.logprobs` (never [r, L, V] at
   once), the per-sample entropy H̄_i as a segment reduction over packed
   samples, and the Eq. 10 loss with the DMMPT mask (`weighted_policy_loss`);
 - optax AdamW with optional warmup and global-norm clipping; if the loss or
@@ -41,7 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulorl_jax import choices
-from ulorl_jax.rl.logprobs import chunked_logprobs_and_entropy
+from ulorl_jax.models.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.rl.losses import (
     ENTROPY_MODES,
     IS_MODES,

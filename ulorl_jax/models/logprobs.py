@@ -1,0 +1,118 @@
+"""Token log-probs and full-vocab entropy without materialising [B, T, V].
+
+At 128k output tokens and a 152k vocab the logits of one sample alone are
+~80 GB in float32, so the learner never builds them whole: `lax.scan` walks
+the sequence in chunks of `chunk_size` positions, and `jax.checkpoint` on the
+chunk body makes the backward pass recompute each chunk's logits instead of
+saving them. Peak temp memory is then O(B · chunk · V), independent of T.
+
+Entropy is H = −Σ_j p_j log p_j over the full vocabulary; its per-sample mean
+over response tokens is the H̄_i of the DMMPT test (ULORL.md §3).
+
+`full_logprobs_and_entropy` is the plain reference the chunked path is tested
+against, forward and backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DType = Any
+
+
+def _logits(hidden: jnp.ndarray, lm_head: jnp.ndarray, compute_dtype: DType, temperature: float) -> jnp.ndarray:
+    """hidden [..., D] @ lm_head [D, V] -> float32 logits [..., V], divided by temperature."""
+    logits = jnp.einsum(
+        "...d,dv->...v",
+        hidden.astype(compute_dtype),
+        lm_head.astype(compute_dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return logits / temperature
+
+
+def _logprobs_and_entropy_from_logits(logits: jnp.ndarray, targets: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """float32 logits [..., V], targets [...] -> (log p(target) [...], entropy [...])."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token_logp = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # −Σ p log p
+    return token_logp, entropy
+
+
+def full_logprobs_and_entropy(
+    hidden: jnp.ndarray,
+    lm_head: jnp.ndarray,
+    targets: jnp.ndarray,
+    *,
+    compute_dtype: DType = jnp.float32,
+    temperature: float = 1.0,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Reference: full [B, T, V] softmax. Same contract as the chunked version."""
+    return _logprobs_and_entropy_from_logits(_logits(hidden, lm_head, compute_dtype, temperature), targets)
+
+
+def chunked_logprobs_and_entropy(
+    hidden: jnp.ndarray,
+    lm_head: jnp.ndarray,
+    targets: jnp.ndarray,
+    *,
+    chunk_size: int = 1024,
+    compute_dtype: DType = jnp.float32,
+    temperature: float = 1.0,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Log-prob of each target and full-vocab entropy, chunked along T.
+
+    Args:
+      hidden: [B, T, D] final hidden states (after the final norm).
+      lm_head: [D, V] output projection.
+      targets: [B, T] int token ids scored at each position.
+      chunk_size: positions per scan step (clamped to T); T is padded up to a
+        multiple internally and sliced back.
+      compute_dtype: matmul input dtype; accumulation and softmax are float32.
+      temperature: logits are divided by it; must match the rollout's sampling
+        temperature for the ratio and the DMMPT test to mean anything.
+
+    Returns (logprobs [B, T] float32, entropy [B, T] float32).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    b, t, d = hidden.shape
+    if targets.shape != (b, t):
+        raise ValueError(f"targets has shape {targets.shape}, expected {(b, t)} to match hidden {hidden.shape}")
+    if lm_head.ndim != 2 or lm_head.shape[0] != d:
+        raise ValueError(f"lm_head has shape {lm_head.shape}, expected [D={d}, V]")
+    if t == 0:
+        return jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0), jnp.float32)
+
+    chunk = min(chunk_size, t)
+    num_chunks = -(-t // chunk)
+    pad = num_chunks * chunk - t
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad)))
+    # Scan over the chunk axis: [B, N*C, D] -> [N, B, C, D].
+    hidden_chunks = hidden.reshape(b, num_chunks, chunk, d).swapaxes(0, 1)
+    target_chunks = targets.reshape(b, num_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint  # backward recomputes this chunk's [B, C, V] logits instead of storing them
+    def chunk_fn(lm_head: jnp.ndarray, h: jnp.ndarray, y: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        return _logprobs_and_entropy_from_logits(_logits(h, lm_head, compute_dtype, temperature), y)
+
+    def body(carry: None, xs: tuple[jnp.ndarray, jnp.ndarray]):
+        h, y = xs
+        return carry, chunk_fn(lm_head, h, y)
+
+    _, (logp, entropy) = jax.lax.scan(body, None, (hidden_chunks, target_chunks))  # [N, B, C] each
+    logp = logp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
+    entropy = entropy.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
+    return logp, entropy
+
+
+def sample_mean_entropy(entropy: jnp.ndarray, response_mask: jnp.ndarray) -> jnp.ndarray:
+    """H̄_i [B]: mean token entropy over each sample's response tokens; 0 where none."""
+    m = response_mask.astype(jnp.float32)
+    total = jnp.sum(jnp.where(m > 0, entropy.astype(jnp.float32), 0.0), axis=-1)
+    count = m.sum(axis=-1)
+    return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
