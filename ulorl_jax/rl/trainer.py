@@ -60,7 +60,7 @@ from ulorl_jax.distributed import DistributedRollout
 from ulorl_jax.memory import check_train_memory, memory_budget, train_memory
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
-from ulorl_jax.rl.advantages import dynamic_sampling_report, grpo_advantages
+from ulorl_jax.rl.advantages import dynamic_sampling_keep, dynamic_sampling_report, grpo_advantages
 from ulorl_jax.rl.build import (
     build_mesh,
     build_model,
@@ -335,8 +335,7 @@ class Trainer:
             acc["dropped_all_correct"] += ds.dropped_all_correct
             acc["dropped_all_wrong"] += ds.dropped_all_wrong
             acc["dropped_other"] += ds.dropped_other_constant
-            keep = ~(group_rewards == group_rewards[:, :1]).all(axis=-1)
-            groups = [g for g, k in zip(groups, keep) if k]
+            groups = [g for g, k in zip(groups, dynamic_sampling_keep(group_rewards)) if k]
         self.ready_groups += groups
 
     def train_samples(self, groups: list[list[Sample]]) -> list[TrainSample]:
