@@ -167,3 +167,36 @@ def test_model_folder_without_tokenizer_is_refused_before_the_run_folder_exists(
     with pytest.raises(ValueError, match=r"model\.path\) has no tokenizer files \(tokenizer.json"):
         Trainer(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_hooks_run_every_n_steps_in_their_stage(tmp_path):
+    """The end of a step is hooks (rl/hooks.py): eval and reward stats add to the metrics before they are
+    written; a user's "metrics" hook does too, every 2 steps; an "after" hook sees the written line; the
+    checkpoint hook saves every checkpoint.save_every steps."""
+    cfg = tiny_config("trainer.total_steps=4", "trainer.eval_every=2", "checkpoint.save_every=3")
+    trainer = Trainer(cfg, tmp_path / "run")
+    calls = []
+    trainer.add_hook(lambda tr, m: m.update(custom_metric=float(tr.step)), every=2, stage="metrics")
+    trainer.add_hook(lambda tr, m: calls.append((tr.step, read_metrics(tr.run_dir / "metrics.jsonl")[-1]["step"])),
+                     name="after_write")
+    try:
+        trainer.fit()
+        assert [h.name for h in trainer.hooks][:4] == ["eval", "reward_stats", "nonfinite_guard", "checkpoint"]
+    finally:
+        trainer.close()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r.get("custom_metric") for r in rows] == [None, 2.0, None, 4.0]
+    assert ["eval_accuracy" in r for r in rows] == [False, True, False, True]
+    assert all("reward_stats" in r for r in rows)
+    assert calls == [(1, 1), (2, 2), (3, 3), (4, 4)]  # after the line of its step was written
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [3, 4]  # every 3 steps, and the final one fit() writes
+
+
+def test_a_bad_hook_is_refused_by_name():
+    from ulorl_jax.rl.hooks import StepHook
+
+    with pytest.raises(ValueError, match="hook 'x': stage='before'"):
+        StepHook("x", 1, lambda tr, m: None, stage="before")
+    with pytest.raises(ValueError, match="hook 'x': every=-1"):
+        StepHook("x", -1, lambda tr, m: None)

@@ -205,8 +205,10 @@ class SegmentRollout:
             budget = min(budget, max(1, target - len(s.response_ids)))
         return budget, target
 
-    def step(self, params: Any, new_prompts: Sequence[PromptItem], policy_version: int, rng: Any
-             ) -> RolloutStepReport:
+    def step(self, params: Any, new_prompts: Sequence[PromptItem], policy_version: int, rng: Any,
+             score: Callable[[list[Sample]], Any] | None = None) -> RolloutStepReport:
+        """One segment step (module doc). `score(ended)` (the trainer's reward) runs on the samples that
+        ended before they join the experience pool, as `DistributedRollout.step` does on each process."""
         cfg = self.config
         batch = self.unfinished_pool + self.new_samples(new_prompts)
         self.unfinished_pool = []
@@ -238,6 +240,8 @@ class SegmentRollout:
                 self.unfinished_pool.append(s)
                 continue
             ended.append(s)
+        if score is not None:
+            score(ended)
         self.experience_pool.add(ended)
         self.steps_done += 1
         return RolloutStepReport(

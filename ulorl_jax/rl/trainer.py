@@ -71,6 +71,7 @@ from ulorl_jax.rl.build import (
     sampling_params,
 )
 from ulorl_jax.rl.evaluation import evaluate, score_samples
+from ulorl_jax.rl.hooks import StepHook, default_hooks, run_hooks
 from ulorl_jax.rl.learner import Learner
 from ulorl_jax.rl.packing import TrainSample
 from ulorl_jax.types import Sample
@@ -154,6 +155,7 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.on_step = on_step
+        self.hooks = default_hooks(cfg)  # eval, reward stats, non-finite guard, checkpoint (rl/hooks.py)
         t = cfg.trainer
         # Tokenizer, data and model first: their errors name the cause before the run folder exists.
         self.tokenizer = build_tokenizer(cfg)
@@ -311,17 +313,13 @@ class Trainer:
 
     def _rollout_round(self, key, times: StepTimes, acc: dict) -> None:
         prompts = self.prompts.take(self.cfg.trainer.train_batch_size)
-        t0 = time.perf_counter()
-        if self.process_count == 1:
-            report = self.rollout.step(self.learner.params, prompts, self.policy_version, key)
-            times.rollout += time.perf_counter() - t0
-            rewards = self._score(report.ended, times)
-        else:  # each process scores its own share before the gather: one reward per sample, the same everywhere
-            reward_s = times.reward
-            report = self.rollout.step(self.decode_params(), prompts, self.policy_version, key,
-                                       score=lambda ended: self._score(ended, times))
-            times.rollout += time.perf_counter() - t0 - (times.reward - reward_s)
-            rewards = [s.metadata["reward"] for s in report.ended]
+        # One interface for the local, JetStream and distributed rollouts: the samples that end are scored
+        # inside the step (with several processes each scores its own share before the gather).
+        t0, reward_s = time.perf_counter(), times.reward
+        report = self.rollout.step(self.decode_params(), prompts, self.policy_version, key,
+                                   score=lambda ended: self._score(ended, times))
+        times.rollout += time.perf_counter() - t0 - (times.reward - reward_s)
+        rewards = [s.metadata["reward"] for s in report.ended]
         acc["reports"].append(report)
         acc["ended"] += report.ended
         acc["rewards"] += rewards
@@ -347,7 +345,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One RL step; returns the metrics written to metrics.jsonl."""
-        cfg, t = self.cfg, self.cfg.trainer
+        t = self.cfg.trainer
         start = time.perf_counter()
         times = StepTimes()
         acc = {"reports": [], "ended": [], "rewards": [], "groups": 0, "dropped_all_correct": 0,
@@ -399,19 +397,27 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - start
         metrics["policy_version"] = self.policy_version
         metrics["rollout_rounds"] = rounds
-        if cfg.trainer.eval_every and self.step % cfg.trainer.eval_every == 0:
-            metrics.update(self.evaluate())
-        metrics["reward_stats"] = self.scorer.stats.to_dict()
+        run_hooks(self.hooks, "metrics", self, self.step, metrics)
         self.writer.write(self.step, metrics)
+        run_hooks(self.hooks, "after", self, self.step, metrics)
+        return metrics
+
+    def add_hook(self, fn: Callable[["Trainer", dict], None], *, every: int = 1, name: str | None = None,
+                 stage: str = "after") -> None:
+        """Run `fn(trainer, metrics)` after every `every`-th step: stage "metrics" before the step's metrics
+        are written (it may add to them), "after" once they are (rl/hooks.py)."""
+        self.hooks.append(StepHook(name or getattr(fn, "__name__", "hook"), every, fn, stage))
+
+    def stop_if_nonfinite(self) -> None:
+        """The non-finite guard: stop once trainer.max_consecutive_nonfinite steps in a row skipped every
+        update for a non-finite loss or gradient."""
+        t = self.cfg.trainer
         if self.consecutive_nonfinite >= t.max_consecutive_nonfinite:
             raise TrainingError(
                 f"step {self.step}: {self.consecutive_nonfinite} consecutive steps whose every learner update had a "
                 f"non-finite loss or gradient (all skipped, weights unchanged since the last good update); "
                 f"trainer.max_consecutive_nonfinite={t.max_consecutive_nonfinite}. Resume from the last checkpoint "
                 f"with a lower optim.lr or tighter optim.grad_clip, or inspect the data of these steps")
-        if cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0:
-            self.save()
-        return metrics
 
     def _nothing_trained_message(self) -> str:
         """Why the last steps trained nothing (the dropped groups' rewards) and what to try."""
