@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from ulorl_jax.decode.engine import PolicyEngine, Request
+from ulorl_jax.decode.engine import PREFILL_CALL_COST_TOKENS, PolicyEngine, Request
 from ulorl_jax.decode.sampling import GREEDY, SamplingParams
 from ulorl_jax.decode.segment import PromptItem, RolloutConfig, SegmentRollout
 from ulorl_jax.models import init_model, tiny_config
@@ -53,7 +53,7 @@ def test_batched_group_prefill_equals_one_request_per_call(model, sampling):
     outs, stats = engine.run(params, requests, steps_per_call=4)
     # 11 requests, all in one refill: 2 group rows + 3 distinct rows, within the 128-token budget.
     assert stats.prefills == 11 and stats.prefill_rows == 5 and stats.prefill_tokens == 6 + 3 + 13 + 9 + 20
-    assert stats.prefill_calls == 2  # rows of [20, 13, 9, 6] tokens: 4 x 32; then [3]: 1 x 16 (budget 128)
+    assert stats.prefill_calls == 2  # rows of [20] tokens: 1 x 32; then [13, 9, 6, 3]: 4 x 16 (plan_prefill)
     for r, c in zip(requests, outs):
         tokens, lps = one_request_per_call(engine, params, r, sampling)
         assert c.tokens == tokens
@@ -90,12 +90,18 @@ def test_plan_respects_the_token_budget(model):
         assert all(lengths[i] <= length for i in rows)
         r = 1 << (len(rows) - 1).bit_length()
         assert r * length <= 64 or len(rows) == 1
-    # longest first; shorter rows join while pow2(rows) x L <= 64
+    # longest first, consecutive calls within pow2(rows) x L <= 64
     assert [(length, [lengths[i] for i in rows]) for length, rows in calls] == [
         (64, [64]), (64, [40]), (32, [30, 17]), (16, [12, 7, 5, 3]), (16, [2])]
     big = PolicyEngine(model, max_concurrent_decodes=16, max_prefill_length=64, max_cache_len=64,
                        prefill_token_budget=1024)
-    assert len(big.plan_prefill(lengths)) == 1  # 9 rows -> 16 x 64 tokens: one call
+    # One call would pad all 9 rows to 64 (16 x 64 = 1024 tokens); two calls pad 4 x 64 + 8 x 16 = 384,
+    # which saves more than a call costs (PREFILL_CALL_COST_TOKENS).
+    assert PREFILL_CALL_COST_TOKENS < 1024 - 384
+    assert [(length, [lengths[i] for i in rows]) for length, rows in big.plan_prefill(lengths)] == [
+        (64, [64, 40, 30, 17]), (16, [12, 7, 5, 3, 2])]
+    # Rows of similar lengths share one call: a split would save less padding than a call costs.
+    assert [length for length, _ in big.plan_prefill([60, 50, 40, 33, 30])] == [64]
 
 
 @pytest.mark.slow  # 18 rollout steps, several compiles: > 20 s on a loaded 2-core box

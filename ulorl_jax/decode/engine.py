@@ -14,7 +14,8 @@ jetstream.
 - Prefill pads prompts to a length bucket (one compile per bucket); prompts
   longer than `max_prefill_length`, empty prompts and unknown token ids raise.
 - Batched prefill (`prefill_many`, used by `run`): many requests per jitted call, padded to
-  the bucket of the call's longest, `pow2(rows) x bucket <= prefill_token_budget` tokens per call, written
+  the bucket of the call's longest, `pow2(rows) x bucket <= prefill_token_budget` tokens per call, split
+  where a second call saves more padding than it costs (`plan_prefill`), written
   straight into their slots in the same call (no per-request insert). Requests with equal prompts
   (a group's n samples) share one prefill row: its KV is copied to each sample's slot and each
   samples its first token with its own key. JetStream's one-request `prefill` / `insert` stay as
@@ -35,6 +36,7 @@ jetstream.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from typing import Any, Callable, NamedTuple, Sequence
@@ -135,6 +137,11 @@ def _as_raw_key(key) -> jnp.ndarray:
 
 
 DEFAULT_PREFILL_TOKEN_BUDGET = 4096  # padded tokens per batched prefill call (see PolicyEngine.prefill_many)
+# A prefill call's fixed cost in padded tokens (plan_prefill): dispatch, and reading every weight once,
+# which for bf16 weights costs about as long as computing a ridge-point's worth of tokens (~200 on an
+# H200: 989 TFLOP/s over 4.8 TB/s, 2 FLOPs per weight per token); measured on the CPU's tiny bench model,
+# a call costs about as much as 200 padded tokens too.
+PREFILL_CALL_COST_TOKENS = 256
 
 
 def _pow2_ceil(n: int) -> int:
@@ -511,19 +518,30 @@ class PolicyEngine:
     def plan_prefill(self, lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
         """Split prefill rows of these token lengths into calls: [(padded length L, row indices)], each
         call computing pow2(rows) x L <= prefill_token_budget padded tokens (a row longer than the
-        budget gets a call alone). Longest rows first; a shorter row joins the current call (padded
-        to its L) while the budget allows, so a step's rows take as few calls as the budget allows:
-        below the budget a call costs about the same however full it is (dispatch and weight reads
-        dominate), which is what the budget should be set to mean. Shapes come from a fixed set:
-        L in `prefill_buckets`, rows a power of two <= budget / L."""
+        budget gets a call alone). Rows sorted longest first are cut into consecutive calls that
+        minimise padded tokens + PREFILL_CALL_COST_TOKENS per call (a small dynamic program): one call
+        for rows of similar length, a second one when it saves more padding than a call costs (a
+        step's few long continued samples no longer pad its many short ones to their length). Shapes
+        come from a fixed set: L in `prefill_buckets`, rows a power of two <= budget / L."""
         order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
+        bucket = [self.bucket_for(int(lengths[i])) for i in order]
+        n = len(order)
+        best: list[tuple[float, int]] = [(0.0, 0)] + [(math.inf, 0)] * n  # best[j]: rows [0, j) -> (cost, cut)
+        for j in range(1, n + 1):
+            for i in range(j - 1, -1, -1):  # the call holds rows [i, j), padded to bucket[i]
+                padded = _pow2_ceil(j - i) * bucket[i]
+                if padded > self.prefill_token_budget and j - i > 1:
+                    break  # more rows (smaller i) only grow the call
+                cost = best[i][0] + PREFILL_CALL_COST_TOKENS + padded
+                if cost < best[j][0]:
+                    best[j] = (cost, i)
         calls: list[tuple[int, list[int]]] = []
-        for i in order:
-            if calls and _pow2_ceil(len(calls[-1][1]) + 1) * calls[-1][0] <= self.prefill_token_budget:
-                calls[-1][1].append(i)
-            else:
-                calls.append((self.bucket_for(int(lengths[i])), [i]))
-        return calls
+        j = n
+        while j:
+            i = best[j][1]
+            calls.append((bucket[i], order[i:j]))
+            j = i
+        return calls[::-1]
 
     def prefill_many(self, params: Any, decode_state: DecodeState, requests: Sequence[Request],
                      slots: Sequence[int], *, sampling: SamplingParams | None = None
