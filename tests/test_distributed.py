@@ -43,7 +43,7 @@ def _samples():
 
 
 def _prompts():
-    from ulorl_jax.decode.segment import PromptItem
+    from ulorl_jax.types import PromptItem
 
     rng = np.random.default_rng(1)
     return [PromptItem(i, rng.integers(1, 64, 3 + i).tolist()) for i in range(N_PROMPTS)]
@@ -69,8 +69,8 @@ def _learner_result(mesh):
 def _segment_rollout():
     from ulorl_jax.decode.engine import PolicyEngine
     from ulorl_jax.decode.sampling import SamplingParams
-    from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
     from ulorl_jax.models import init_model, tiny_config
+    from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
 
     model = init_model(tiny_config("qwen3", **MODEL_KW), seed=0)
     engine = PolicyEngine(model, max_concurrent_decodes=4, max_prefill_length=16, max_cache_len=16)
@@ -82,7 +82,7 @@ def _segment_rollout():
 def _rollout(process_index=None, process_count=None):
     import jax
 
-    from ulorl_jax.distributed import DistributedRollout
+    from ulorl_jax.rollout.distributed import DistributedRollout
 
     rollout = _segment_rollout()
     engine = rollout.engine
@@ -227,8 +227,8 @@ def _checkpoint(run_dir, step: int, item: str = "params") -> tuple[list[np.ndarr
     from trainer_utils import MOVING, leaves, tiny_config
 
     from ulorl_jax.checkpoint import TrainCheckpointer
-    from ulorl_jax.rl.learner import make_optimizer
     from ulorl_jax.rl.build import learner_config
+    from ulorl_jax.rl.learner import make_optimizer
 
     target = _initial_params()
     if item == "opt_state":
@@ -327,8 +327,8 @@ def test_train_two_processes_resume(two_step_runs, tmp_path):
 
 def test_rollout_state_resumes_each_process_pool():
     """Process i of a resumed run takes unfinished pool i; a state saved by another process count is refused."""
-    from ulorl_jax.decode.segment import Sample
-    from ulorl_jax.distributed import DistributedRollout
+    from ulorl_jax.rollout.distributed import DistributedRollout
+    from ulorl_jax.types import Sample
 
     pools = [[Sample(uid, uid // N, uid % N, [1, 2], [3], [-0.5], [0], 1).to_dict() for uid in uids]
              for uids in ([0, 1], [2, 3, 4])]

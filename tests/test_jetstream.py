@@ -12,11 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ulorl_jax.choices import ROLLOUT_BACKENDS
 from ulorl_jax.decode import jetstream_backend as jb
 from ulorl_jax.decode.engine import PolicyEngine, Request
 from ulorl_jax.decode.sampling import GREEDY, SamplingParams
-from ulorl_jax.decode.segment import PromptItem, RolloutConfig
 from ulorl_jax.models import init_model, tiny_config
+from ulorl_jax.rollout.backends import make_segment_rollout
+from ulorl_jax.rollout.segment import RolloutConfig
+from ulorl_jax.types import PromptItem
 
 needs_jetstream = pytest.mark.skipif(not jb.jetstream_available(), reason="google-jetstream is not installed "
                                      "(pip install -e '.[jetstream]'); CI installs it for these tests")
@@ -144,8 +147,8 @@ def test_segment_rollout_jetstream_equals_engine(engine, prompts, eos_id):
     params_v2 = jax.tree.map(lambda x: x * 1.01, params)
     items = [PromptItem(i, p, {"answer": str(i)}) for i, p in enumerate(prompts)]
     results = {}
-    for backend in jb.ROLLOUT_BACKENDS:
-        rollout = jb.make_segment_rollout(engine, cfg, rollout_backend=backend)
+    for backend in ROLLOUT_BACKENDS:
+        rollout = make_segment_rollout(engine, cfg, rollout_backend=backend)
         ended, reports = [], []
         for step, (todo, p) in enumerate([(items[:3], params), (items[3:], params), ([], params_v2),
                                           ([], params_v2)]):
@@ -184,7 +187,7 @@ def test_bad_requests_rejected_before_the_driver(engine):
     with pytest.raises(ValueError, match="max_prefill_length"):
         jb.decode_with_jetstream(engine, engine.load_params(), [[7] * 40], 4)
     with pytest.raises(ValueError, match="rollout_backend"):
-        jb.make_segment_rollout(engine, RolloutConfig(8, 2, 1, 4, eos_token_ids=engine.eos_token_ids),
+        make_segment_rollout(engine, RolloutConfig(8, 2, 1, 4, eos_token_ids=engine.eos_token_ids),
                                 rollout_backend="vllm")
 
 
@@ -209,7 +212,7 @@ def test_missing_jetstream_is_a_clear_error(monkeypatch, capsys, tmp_path):
         jb.import_jetstream.__wrapped__()
     monkeypatch.setattr(jb, "import_jetstream", jb.import_jetstream.__wrapped__)
     with pytest.raises(jb.JetStreamUnavailable, match="jetstream-pt"):
-        jb.make_segment_rollout(None, None, rollout_backend="jetstream")
+        make_segment_rollout(None, None, rollout_backend="jetstream")
     (tmp_path / "config.json").write_text("{}")  # a model folder as far as `serve`'s option check goes
     assert main(["serve", "--model", str(tmp_path)]) == 2
     assert "pip install" in capsys.readouterr().err

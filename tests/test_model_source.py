@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from trainer_utils import MOVING, tiny_config
+
 from ulorl_jax import model_source
 from ulorl_jax.cli import main
 from ulorl_jax.rl import evaluation
@@ -87,7 +87,12 @@ def test_export_loads_in_transformers_with_equal_logits_and_tokenizer(run, tmp_p
 def test_eval_on_a_run_folder_leaves_the_run_alone(run, tmp_path, capsys):
     """`ulorl eval --run-dir R --data F --step S`: R's config, checkpoint S named in the output, results in
     R/eval/, and config.yaml, metrics.jsonl and the folder's other contents unchanged."""
-    from ulorl_jax.data.synthetic import SyntheticConfig, generate_problems, problem_rows, write_jsonl
+    from ulorl_jax.data.synthetic import (
+        SyntheticConfig,
+        generate_problems,
+        problem_rows,
+        write_jsonl,
+    )
 
     run_dir, _ = run
     data = write_jsonl(problem_rows(generate_problems(SyntheticConfig(max_operands=3), 3, seed=1)),
@@ -107,8 +112,8 @@ def test_eval_on_a_run_folder_leaves_the_run_alone(run, tmp_path, capsys):
 
 def test_eval_plan_caps_generation_and_refuses_what_does_not_fit():
     from ulorl_jax.config import load_config
-    from ulorl_jax.decode.segment import PromptItem
     from ulorl_jax.models.config import tiny_config as tiny_model
+    from ulorl_jax.types import PromptItem
 
     cfg = load_config(None, ["data.train_files=[x.jsonl]", "model.path=m"])  # schema defaults: 131,072-token outputs
     model = tiny_model("qwen3", max_position_embeddings=256)

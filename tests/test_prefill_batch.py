@@ -7,8 +7,9 @@ import pytest
 
 from ulorl_jax.decode.engine import PREFILL_CALL_COST_TOKENS, PolicyEngine, Request
 from ulorl_jax.decode.sampling import GREEDY, SamplingParams
-from ulorl_jax.decode.segment import PromptItem, RolloutConfig, SegmentRollout
 from ulorl_jax.models import init_model, tiny_config
+from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
+from ulorl_jax.types import PromptItem
 
 VOCAB = 96
 SAMPLED = SamplingParams(0.85, 10, 0.9)

@@ -6,12 +6,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
 from hf_utils import save_hf_model
+
 from ulorl_jax.decode.engine import PolicyEngine, Request
 from ulorl_jax.decode.sampling import GREEDY, SamplingParams
-from ulorl_jax.decode.segment import ExperiencePool, PromptItem, RolloutConfig, Sample, SegmentRollout
 from ulorl_jax.models.hf import from_pretrained
+from ulorl_jax.rollout.segment import ExperiencePool, RolloutConfig, SegmentRollout
+from ulorl_jax.types import PromptItem, Sample
 
 GLOBAL = 16
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60, 7, 21], [88, 1, 30, 30, 4, 19, 52, 6], [33, 8, 15, 91, 27],

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE tensor layout (default: per_expert, the layout transformers writes)")
     export.set_defaults(func=_export)
 
-    from ulorl_jax.decode import generate  # `ulorl generate` lives with the engine
+    from ulorl_jax.rollout import generate  # `ulorl generate`: segment rollout with fixed weights
 
     generate.add_parser(sub)
     from ulorl_jax.decode import serve  # `ulorl serve`: JetStream's orchestrator + gRPC (extra: jetstream)

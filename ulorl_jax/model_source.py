@@ -144,6 +144,15 @@ def load(source: ModelSource, dtype: str | None = None, overrides: list[str] | N
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def eos_token_ids(config, tokenizer) -> tuple[int, ...]:
+    """The ids that end a sample: the model config's `eos_token_id` (an int or a list) and the tokenizer's."""
+    ids = config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The folder's tokenizer, or None when it has no tokenizer files (AutoTokenizer would silently
     build an empty one from such a folder)."""

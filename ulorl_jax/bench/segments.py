@@ -147,7 +147,8 @@ def run_steps(engine, learner, k: int, s: dict, dist: sc.LengthDistribution):
     import jax
 
     from ulorl_jax.decode.sampling import SamplingParams
-    from ulorl_jax.decode.segment import PromptItem, RolloutConfig, SegmentRollout
+    from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
+    from ulorl_jax.types import PromptItem
 
     cfg = RolloutConfig(global_max_len=s["global_max_len"], num_segments=k, samples_per_prompt=s["n"],
                         max_prompt_len=s["prompt_len"], sampling=SamplingParams(temperature=1.0))

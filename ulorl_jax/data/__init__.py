@@ -27,7 +27,7 @@ from ulorl_jax.data.synthetic import (
 # Local character-level tokenizer with a Qwen-style chat template
 from ulorl_jax.data.tokenizer import CHAT_TEMPLATE, EOS_TOKEN, PAD_TOKEN, build_tokenizer, synthetic_alphabet
 
-# RL prompt stream (lazy: imports JAX through decode/segment.py)
+# RL prompt stream (lazy: data/prompts.py imports numpy and the tokenizer stack)
 _LAZY = {"PromptDataConfig", "PromptRecord", "PromptStream", "encode_prompt", "load_prompts", "PromptItem"}
 
 

@@ -6,7 +6,7 @@ with file and line: bad JSON, missing key, wrong type, empty prompt, prompt
 longer than `max_prompt_len` tokens. `on_bad_row="skip"` logs and counts
 them; "error" raises ValueError at the first one.
 
-`PromptStream` yields `PromptItem`s (decode/segment.py) forever, epoch after
+`PromptStream` yields `PromptItem`s (ulorl_jax/types.py) forever, epoch after
 epoch; epoch e visits the records in the permutation drawn from (seed, e).
 `state_dict()` (JSON-able: epoch, position, seed, a data fingerprint) and
 `load_state_dict()` let a resumed run continue with exactly the next prompt.

@@ -1,14 +1,14 @@
-"""Decoding: sampling, the JetStream-shaped PolicyEngine, and segment rollout (ULORL.md §1).
+"""Decoding: sampling and the JetStream-shaped PolicyEngine. Knows nothing of segments or learning:
+segment rollout (Algorithm 1) is `ulorl_jax.rollout`.
 
 Sampling (decode/sampling.py)
     SamplingParams, TRAIN_SAMPLING, EVAL_SAMPLING, GREEDY, sample_tokens, filter_logits
 Engine, JetStream Engine API (decode/engine.py)
     PolicyEngine, DecodeState, Prefix, ResultTokens, SlotData, StepsOutput, Request, Completion, RunStats,
     register_as_jetstream_engine
-Segment rollout (decode/segment.py)
-    Sample, PromptItem, RolloutConfig, SegmentRollout, ExperiencePool, RolloutStepReport
+`ulorl serve` (decode/serve.py), JetStream's orchestrator over the engine (decode/jetstream_backend.py).
 
-Names resolve lazily, so `ulorl --help` (which imports decode.generate) does not import jax.
+Names resolve lazily, so `ulorl --help` (which imports decode.serve) does not import jax.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ _EXPORTS = {
     "sampling": ("SamplingParams", "TRAIN_SAMPLING", "EVAL_SAMPLING", "GREEDY", "sample_tokens", "filter_logits"),
     "engine": ("PolicyEngine", "DecodeState", "Prefix", "ResultTokens", "SlotData", "StepsOutput", "Request",
                "Completion", "RunStats", "register_as_jetstream_engine"),
-    "segment": ("Sample", "PromptItem", "RolloutConfig", "SegmentRollout", "ExperiencePool", "RolloutStepReport"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -29,8 +29,8 @@ forward pass of prompt + response under the same params gives each token's
 `logprob` (the sampling.py convention: log softmax(logits / T), T = 1 for greedy).
 They equal the engine's decode-time log-probs up to float rounding (tested).
 
-`rollout_backend`: `make_segment_rollout(engine, config, rollout_backend="jetstream")`
-is SegmentRollout (segment.py, unchanged) over `JetStreamRunner(engine)`, whose
+`rollout_backend`: `rollout.backends.make_segment_rollout(engine, config, rollout_backend="jetstream")`
+is SegmentRollout (rollout/segment.py, unchanged) over `JetStreamRunner(engine)`, whose
 `run` has PolicyEngine.run's contract. A fresh Driver is built per `run`, i.e.
 per RL step = per weight version, with requests of `max_tokens = budget`
 (`segment_len`, or less near `global_max_len`). Each request's PRNG key rides
@@ -58,10 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ulorl_jax.choices import ROLLOUT_BACKENDS  # noqa: F401  (re-exported)
 from ulorl_jax.decode.engine import Completion, PolicyEngine, Request, RunStats, register_as_jetstream_engine
 from ulorl_jax.decode.sampling import SamplingParams, filter_logits
-from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
 from ulorl_jax.models.logprobs import chunked_logprobs_and_entropy
 
 JETSTREAM_REQUIREMENT = "google-jetstream==0.2.2"
@@ -575,14 +573,3 @@ class JetStreamRunner:
                          slot_steps_used=max(tokens - adapter.prefills, 0),
                          slot_steps_total=adapter.generate_calls * slots)
         return completions, stats
-
-
-def make_segment_rollout(engine: PolicyEngine, config: RolloutConfig, *, rollout_backend: str = "engine",
-                         seed: int = 0, **kwargs) -> SegmentRollout:
-    """SegmentRollout over our in-process loop ("engine") or JetStream's orchestrator ("jetstream")."""
-    if rollout_backend == "engine":
-        return SegmentRollout(engine, config, **kwargs)
-    if rollout_backend == "jetstream":
-        import_jetstream()  # fail now, with the install hint, rather than mid-step
-        return SegmentRollout(JetStreamRunner(engine, seed=seed), config, **kwargs)
-    raise ValueError(f"rollout_backend={rollout_backend!r}; choose one of {ROLLOUT_BACKENDS}")

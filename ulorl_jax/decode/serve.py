@@ -123,13 +123,12 @@ def _check_options(args):
 def _build_engine(args, source):
     from ulorl_jax import model_source
     from ulorl_jax.decode.engine import PolicyEngine
-    from ulorl_jax.decode.generate import eos_ids
     from ulorl_jax.decode.sampling import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     loaded = model_source.load(source, dtype=args.dtype)
     tokenizer, model = loaded.tokenizer, loaded.model
-    eos = tuple(args.eos_token_id) if args.eos_token_id else eos_ids(model.config, tokenizer)
+    eos = tuple(args.eos_token_id) if args.eos_token_id else model_source.eos_token_ids(model.config, tokenizer)
     return PolicyEngine(model, max_concurrent_decodes=args.max_concurrent_decodes,
                         max_prefill_length=args.max_prefill_length, max_cache_len=args.max_cache_len,
                         sampling=sampling, eos_token_ids=eos, tokenizer=tokenizer)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
-from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
+from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
 from ulorl_jax.memory import kv_cache_bytes, memory_budget
 from ulorl_jax.rewards.scorer import RewardScorer
 from ulorl_jax.rl.packing import TrainSample

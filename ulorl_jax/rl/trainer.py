@@ -48,19 +48,20 @@ from ulorl_jax.data.sources import (
     prompt_file_stream,
 )
 from ulorl_jax.decode.engine import PolicyEngine
-from ulorl_jax.decode.jetstream_backend import make_segment_rollout
 from ulorl_jax.decode.placement import (
     decode_placement,
     device_memory_bytes,
     resolve_kind,
     weight_bytes,
 )
-from ulorl_jax.decode.segment import RolloutConfig
-from ulorl_jax.distributed import DistributedRollout
 from ulorl_jax.memory import check_train_memory, memory_budget, train_memory
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
-from ulorl_jax.rl.advantages import dynamic_sampling_keep, dynamic_sampling_report, grpo_advantages
+from ulorl_jax.rl.advantages import (
+    dynamic_sampling_keep,
+    dynamic_sampling_report,
+    grpo_advantages,
+)
 from ulorl_jax.rl.build import (
     build_mesh,
     build_model,
@@ -74,6 +75,9 @@ from ulorl_jax.rl.evaluation import evaluate, score_samples
 from ulorl_jax.rl.hooks import StepHook, default_hooks, run_hooks
 from ulorl_jax.rl.learner import Learner
 from ulorl_jax.rl.packing import TrainSample
+from ulorl_jax.rollout.backends import make_segment_rollout
+from ulorl_jax.rollout.distributed import DistributedRollout
+from ulorl_jax.rollout.segment import RolloutConfig
 from ulorl_jax.types import Sample
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`ulorl generate`: sample completions for a JSONL of prompts with our engine.
 
-Runs the segment rollout (decode/segment.py) with fixed weights: with
+Runs the segment rollout (rollout/segment.py) with fixed weights: with
 `--segments K` each sample is decoded K segments of max_new_tokens / K tokens,
 re-prefilled between segments exactly as in RL training; K = 1 is plain
 decoding. Greedy output does not depend on K.
@@ -42,14 +42,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.set_defaults(func=run_cli)
     return p
-
-
-def eos_ids(config, tokenizer) -> tuple[int, ...]:
-    ids = config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(sorted(set(int(i) for i in ids)))
 
 
 def load_prompts(path, tokenizer) -> list:
@@ -97,7 +89,7 @@ def run_cli(args) -> int:
 
     from ulorl_jax.decode.engine import PolicyEngine
     from ulorl_jax.decode.sampling import SamplingParams
-    from ulorl_jax.decode.segment import RolloutConfig, SegmentRollout
+    from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
 
     for name in ("max_new_tokens", "segments", "samples_per_prompt", "max_concurrent", "steps_per_call"):
         if getattr(args, name) < 1:
@@ -110,7 +102,7 @@ def run_cli(args) -> int:
     loaded = model_source.load(source, dtype=args.dtype)
     tokenizer, model = loaded.tokenizer, loaded.model
     prompts = load_prompts(args.prompts, tokenizer)
-    eos = eos_ids(model.config, tokenizer)
+    eos = model_source.eos_token_ids(model.config, tokenizer)
     max_prompt = max(len(p.prompt_ids) for p in prompts)
     cfg = RolloutConfig(global_max_len=args.max_new_tokens, num_segments=args.segments,
                         samples_per_prompt=args.samples_per_prompt, max_prompt_len=max_prompt,
@@ -159,7 +151,13 @@ class _progress:
         if self.disabled:
             return lambda n: None
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.bar = Progress(TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens (max)"),
                             TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
