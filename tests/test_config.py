@@ -234,7 +234,7 @@ _floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
 VALID = {
     "algorithm.tau": st.floats(min_value=1e-6, max_value=1.0),
     "algorithm.sigma": st.floats(min_value=1e-6, max_value=10.0),
-    "algorithm.clip_ratio_low": st.floats(min_value=0.0, max_value=1.0),
+    "algorithm.clip_ratio_low": st.floats(min_value=0.0, max_value=1.0, exclude_max=True),
     "algorithm.clip_ratio_high": st.floats(min_value=0.0, max_value=1.0),
     "algorithm.entropy_coeff": st.floats(min_value=-1.0, max_value=1.0),
     "algorithm.norm_adv_by_std": st.booleans(),
@@ -309,3 +309,46 @@ def test_every_remat_policy_reaches_the_learner_from_yaml(value, policy):
 def test_bad_remat_names_the_key_and_the_policies():
     with pytest.raises(ConfigError, match=r"trainer.remat='dot': expected one of \['none', 'full', 'dots'"):
         load_config("tiny_cpu", ["trainer.remat=dot"])
+
+
+def test_rollout_engine_reward_and_sampling_take_their_options_by_name():
+    """rl/build's same_named: every option of the part's YAML section arrives in its config (non-default
+    values, so a field left at its default fails), and a derived field names its source."""
+    from ulorl_jax.model_source import build_tokenizer
+    from ulorl_jax.rewards.scorer import RewardConfig
+    from ulorl_jax.rl.build import (
+        build_engine,
+        build_model,
+        eval_sampling_params,
+        rollout_config,
+        same_named,
+        sampling_params,
+    )
+    from ulorl_jax.sharding import MeshConfig
+
+    cfg = load_config("tiny_cpu", ["rollout.global_max_len=96", "rollout.num_segments=3", "rollout.n=5", "trainer.ppo_mini_batch_size=40",
+                                   "rollout.temperature=0.7", "rollout.top_k=11", "rollout.top_p=0.9",
+                                   "rollout.prefill_buckets=[16,64,136]", "rollout.prefill_token_budget=640",
+                                   "eval.temperature=0.6", "eval.top_k=7", "eval.top_p=0.8",
+                                   "reward.timeout_s=2.5", "reward.workers=0", "reward.extraction=math_verify",
+                                   "reward.answer_pattern=ans=(\\d+)", "mesh.data=2", "mesh.fsdp=1"])
+    tokenizer = build_tokenizer(cfg)
+    rc = rollout_config(cfg, tokenizer, max_prompt_len=40)
+    assert (rc.global_max_len, rc.num_segments, rc.samples_per_prompt, rc.max_prompt_len) == (96, 3, 5, 40)
+    assert (rc.sampling.temperature, rc.sampling.top_k, rc.sampling.top_p) == (0.7, 11, 0.9)
+    assert rc.eos_token_ids == (tokenizer.eos_token_id,)
+    assert sampling_params(cfg) == rc.sampling
+    e = eval_sampling_params(cfg)
+    assert (e.temperature, e.top_k, e.top_p) == (0.6, 7, 0.8)
+    reward = same_named(RewardConfig, cfg.reward)
+    assert dataclasses.asdict(reward) == {f.name: getattr(cfg.reward, f.name)
+                                          for f in dataclasses.fields(RewardConfig)}
+    assert (reward.timeout_s, reward.workers, reward.extraction, reward.answer_pattern) == \
+        (2.5, 0, "math_verify", "ans=(\\d+)")
+    assert same_named(MeshConfig, cfg.mesh) == MeshConfig(data=2, fsdp=1, expert=1, tensor=1)
+    engine = build_engine(cfg, build_model(cfg, tokenizer, seed=0), tokenizer, slots=3, max_len=136,
+                          sampling=rc.sampling)
+    assert (engine.max_concurrent_decodes, engine.max_cache_len) == (3, 136)
+    assert engine.prefill_buckets == (16, 64, 136)
+    assert engine.prefill_token_budget == 640
+    assert engine.sampling == rc.sampling and engine.eos_token_ids == rc.eos_token_ids

@@ -55,22 +55,78 @@ def dense_learner():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("is_mode", "tois", r"learner.is_mode='tois' is not one of \['pois', 'sais'\]"),
-    ("mask_mode", "always", "learner.mask_mode"),
-    ("loss_agg_mode", "seq-mean", "learner.loss_agg_mode"),
-    ("remat", "some", "learner.remat"),
-    ("tau", 1.5, r"learner.tau=1.5 must be in \(0, 1\]"),
-    ("clip_ratio_low", 1.0, "learner.clip_ratio_low"),
-    ("lr", -1.0, "learner.lr"),
-    ("ppo_mini_batch_size", 0, "learner.ppo_mini_batch_size"),
-    ("micro_batch_rows", 0, "learner.micro_batch_rows"),
-    ("temperature", 0.0, "learner.temperature"),
+    ("is_mode", "tois", r"algorithm.is_mode='tois': expected one of \['pois', 'sais'\]"),
+    ("mask_mode", "always", "algorithm.mask_mode"),
+    ("loss_agg_mode", "seq-mean", "algorithm.loss_agg_mode"),
+    ("remat", "some", "trainer.remat"),
+    ("tau", 1.5, r"algorithm.tau=1.5: expected a probability in \(0, 1\]"),
+    ("sigma", 0.0, r"algorithm.sigma=0.0: expected a target entropy > 0"),
+    ("clip_ratio_low", 1.0, "algorithm.clip_ratio_low"),
+    ("lr", -1.0, "optim.lr"),
+    ("betas", (0.9, 1.0), r"optim.betas=\(0.9, 1.0\): expected two values in \[0, 1\)"),
+    ("grad_clip", 0.0, "optim.grad_clip"),
+    ("ppo_mini_batch_size", 0, "trainer.ppo_mini_batch_size"),
+    ("micro_batch_rows", 0, "trainer.micro_batch_rows"),
+    ("temperature", 0.0, "rollout.temperature"),
 ])
 def test_config_rejects_bad_values(field, value, match):
+    """LearnerConfig names the bad value by its YAML key, with the bound options.py holds for both."""
     with pytest.raises(ValueError, match=match):
         LearnerConfig(**{field: value})
     with pytest.raises(ValueError, match="unknown learner option"):
         LearnerConfig.from_dict({"clip_ratio": 0.2})
+
+
+@pytest.mark.parametrize("override", ["algorithm.sigma=0", "algorithm.tau=1.5", "optim.betas=[0.9,1.0]",
+                                      "optim.lr=-1", "trainer.micro_batch_rows=0", "algorithm.clip_ratio_low=1.0"])
+def test_learner_and_yaml_reject_a_value_with_one_message(override):
+    """One set of bounds: the run config refuses the value with the message LearnerConfig gives."""
+    import yaml
+
+    from ulorl_jax.config import ConfigError, load_config
+    from ulorl_jax.rl.learner import OPTION_SECTIONS
+
+    key, raw = override.split("=")
+    section, name = key.split(".")
+    assert name in OPTION_SECTIONS[section]
+    value = yaml.safe_load(raw)
+    with pytest.raises(ConfigError) as from_yaml:
+        load_config("tiny_cpu", [override])
+    with pytest.raises(ConfigError) as from_learner:
+        LearnerConfig(**{name: tuple(value) if isinstance(value, list) else value})
+    assert str(from_yaml.value).split(":")[0].split("=")[0] == key
+    assert str(from_learner.value).split("=")[0] == key
+    assert str(from_yaml.value).split(": expected ")[1] == str(from_learner.value).split(": expected ")[1]
+
+
+def test_learner_config_takes_every_option_from_the_run_config():
+    """build.learner_config copies nothing by hand: every OPTION_SECTIONS field set to a non-default value in
+    the YAML arrives in the LearnerConfig; the fields outside it are the derived ones."""
+    import dataclasses
+
+    from ulorl_jax.config import load_config
+    from ulorl_jax.rl.build import learner_config
+    from ulorl_jax.rl.learner import OPTION_SECTIONS
+
+    changed = {"algorithm.is_mode": "sais", "algorithm.mask_mode": "mpt", "algorithm.tau": 0.9,
+               "algorithm.sigma": 0.3, "algorithm.entropy_mode": "batch", "algorithm.clip_ratio_low": 0.1,
+               "algorithm.clip_ratio_high": 0.28, "algorithm.loss_agg_mode": "seq-mean-token-mean",
+               "algorithm.entropy_coeff": 0.01, "algorithm.aux_loss_coef": 0.001, "optim.lr": 3e-6,
+               "optim.warmup_steps": 7, "optim.weight_decay": 0.1, "optim.betas": [0.8, 0.95], "optim.eps": 1e-6,
+               "optim.grad_clip": 0.5, "trainer.ppo_mini_batch_size": 4, "trainer.ppo_epochs": 2,
+               "trainer.micro_batch_rows": 2, "trainer.row_len": 4096, "trainer.remat": "dots",
+               "trainer.scan_layers": True, "trainer.logprob_chunk": 64}
+    assert set(changed) == {f"{s}.{n}" for s, names in OPTION_SECTIONS.items() for n in names}
+    cfg = load_config("tiny_cpu", [f"{k}={v}".replace(" ", "") for k, v in changed.items()])
+    lc = learner_config(cfg)
+    default = LearnerConfig()
+    for key, value in changed.items():
+        got = getattr(lc, key.split(".")[1])
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
+        assert got != getattr(default, key.split(".")[1]), f"{key}: pick a non-default value"
+    derived = {f.name for f in dataclasses.fields(LearnerConfig)} - {n for v in OPTION_SECTIONS.values() for n in v}
+    assert derived == {"temperature"}
+    assert learner_config(load_config("tiny_cpu", ["optim.grad_clip=null"])).grad_clip is None
 
 
 def test_bad_samples_raise_before_any_compute(dense_learner):

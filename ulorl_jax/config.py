@@ -29,11 +29,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ulorl_jax import choices
 from ulorl_jax.models.config import (
-    ATTENTION_IMPLS,
-    MOE_IMPLS,
     ConfigError,  # the same class as ulorl_jax.models.config.ConfigError (a ValueError)
     ModelConfig,
     resolve_dtype,
+)
+from ulorl_jax.options import (  # every option's allowed values, once
+    CHOICES,
+    RANGES,
+    check_option,
 )
 
 __all__ = [
@@ -43,23 +46,6 @@ __all__ = [
     "shipped_configs", "CHOICES", "remat_policy",
 ]
 
-# Allowed values of the enum-like string options, by dotted key (each list defined once: choices.py).
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.attention_impl": ATTENTION_IMPLS,
-    "model.moe_impl": MOE_IMPLS,
-    "model.dtype": choices.DTYPES,
-    "model.param_dtype": choices.DTYPES,
-    "data.on_bad_row": choices.ON_BAD_ROW,
-    "rollout.backend": choices.ROLLOUT_BACKENDS,
-    "rollout.decode_mesh": choices.DECODE_MESHES,
-    "algorithm.is_mode": choices.IS_MODES,
-    "algorithm.mask_mode": choices.MASK_MODES,
-    "algorithm.entropy_mode": choices.ENTROPY_MODES,
-    "algorithm.loss_agg_mode": choices.LOSS_AGG_MODES,
-    "reward.kind": choices.REWARD_KINDS,
-    "reward.extraction": choices.EXTRACTIONS,
-    "checkpoint.on_save_error": choices.ON_SAVE_ERROR,
-}
 # Runtime fields of ModelConfig that live in `model.*`, not in `model.arch`.
 _RUNTIME_MODEL_FIELDS = ("dtype", "param_dtype", "attention_impl", "moe_impl")
 
@@ -518,12 +504,8 @@ def validate(cfg: RunConfig) -> None:
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise ConfigError(f"{key}={value!r}: expected a finite number")
-    for key, allowed in CHOICES.items():
-        value = flat[key]
-        if value not in allowed:
-            match = difflib.get_close_matches(str(value), allowed, n=1)
-            hint = f" (did you mean {match[0]!r}?)" if match else ""
-            raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}{hint}")
+    for key in (*CHOICES, *RANGES):  # the bounds of options.py, shared with LearnerConfig
+        check_option(key, remat_policy(flat[key]) if key == "trainer.remat" else flat[key])
     resolve_dtype(cfg.model.dtype, option="model.dtype")
 
     m = cfg.model
@@ -560,7 +542,6 @@ def validate(cfg: RunConfig) -> None:
     _require(r.global_max_len % r.num_segments == 0, "rollout.num_segments", r.num_segments,
              f"a divisor of rollout.global_max_len={r.global_max_len}")
     _require(r.n >= 2, "rollout.n", r.n, ">= 2 samples per prompt (GRPO normalises within each group)")
-    _require(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0 (0 = greedy)")
     _require(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0 (0 = off)")
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
     _require(r.max_concurrent_decodes is None or r.max_concurrent_decodes >= 1, "rollout.max_concurrent_decodes",
@@ -570,25 +551,9 @@ def validate(cfg: RunConfig) -> None:
         _require(len(b) > 0 and all(x >= 1 for x in b) and list(b) == sorted(set(b)), "rollout.prefill_buckets", b,
                  "a non-empty, strictly increasing list of positive lengths, or null")
 
-    a = cfg.algorithm
-    _require(0 < a.tau <= 1, "algorithm.tau", a.tau, "a probability in (0, 1]")
-    _require(a.sigma > 0, "algorithm.sigma", a.sigma, "a target entropy > 0")
-    _require(a.clip_ratio_low >= 0, "algorithm.clip_ratio_low", a.clip_ratio_low, ">= 0")
-    _require(a.clip_ratio_high >= 0, "algorithm.clip_ratio_high", a.clip_ratio_high, ">= 0")
-    _require(a.aux_loss_coef >= 0, "algorithm.aux_loss_coef", a.aux_loss_coef, ">= 0")
-
-    o = cfg.optim
-    _require(o.lr > 0, "optim.lr", o.lr, "> 0")
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, ">= 0")
-    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0")
-    _require(o.grad_clip is None or o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "> 0 or null (off)")
-    _require(all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas), "two values in [0, 1)")
-    _require(o.eps > 0, "optim.eps", o.eps, "> 0")
-
     t = cfg.trainer
-    remat_policy(t.remat)
-    for name in ("train_batch_size", "ppo_mini_batch_size", "ppo_epochs", "micro_batch_rows", "logprob_chunk",
-                 "max_consecutive_skips", "max_consecutive_nonfinite", "dynamic_sampling_max_rounds"):
+    for name in ("train_batch_size", "ppo_mini_batch_size", "max_consecutive_skips", "max_consecutive_nonfinite",
+                 "dynamic_sampling_max_rounds"):  # ppo_mini_batch_size: an int here, never null
         _require(getattr(t, name) >= 1, f"trainer.{name}", getattr(t, name), ">= 1")
     for name in ("total_steps", "eval_every", "sft_steps"):
         _require(getattr(t, name) >= 0, f"trainer.{name}", getattr(t, name), ">= 0")

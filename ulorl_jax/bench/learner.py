@@ -97,8 +97,8 @@ def torch_step_fn(model, samples, config, s: dict):
     """The same UloRL update in eager PyTorch on transformers' model."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(config.adam_b1, config.adam_b2),
-                            eps=config.adam_eps, weight_decay=config.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                            eps=config.eps, weight_decay=config.weight_decay)
     device = next(model.parameters()).device
     seqs = torch.as_tensor([x.prompt_ids + x.response_ids for x in samples], dtype=torch.long,
                            device=device)  # [N, L]
@@ -131,7 +131,7 @@ def torch_step_fn(model, samples, config, s: dict):
             surr = torch.minimum(ratio * a, ratio.clamp(1 - config.clip_ratio_low, 1 + config.clip_ratio_high) * a)
             loss = -(surr * keep).sum() / n_tokens
             loss.backward()
-        if config.grad_clip > 0:
+        if config.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         if device.type == "cuda":

@@ -1,17 +1,33 @@
-"""The run's parts from its RunConfig: model, mesh, learner config, reward scorer, sampling, EOS ids.
+"""The run's parts from its RunConfig: model, mesh, learner and rollout configs, engine, reward scorer,
+sampling, EOS ids.
 
-Shared by the trainer, `ulorl eval` and `ulorl plan` (the tokenizer: `model_source.build_tokenizer`)."""
+Shared by the trainer, `ulorl eval` and `ulorl plan` (the tokenizer: `model_source.build_tokenizer`). A part's
+config takes the options of the same name from its YAML section (`same_named`), so an option is never
+copied field by field; only what is derived from several options is computed here."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
 
 from ulorl_jax.config import RunConfig, remat_policy
+from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
 from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
-from ulorl_jax.rl.learner import LearnerConfig
+from ulorl_jax.rl.learner import OPTION_SECTIONS, LearnerConfig
+from ulorl_jax.rollout.segment import RolloutConfig
 from ulorl_jax.sharding import MeshConfig, make_mesh
+
+
+def same_named(cls, section: Any, **derived: Any):
+    """`cls` (a dataclass) built from the fields of the config `section` that have its field names, and
+    `derived` for the rest (a derived value wins over a same-named option)."""
+    taken = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls)
+             if f.init and f.name not in derived and hasattr(section, f.name)}
+    return cls(**taken, **derived)
 
 
 def build_model(cfg: RunConfig, tokenizer, seed: int):
@@ -48,38 +64,48 @@ def build_mesh(cfg: RunConfig):
             raise ValueError(f"mesh {dict(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor)} needs "
                              f"{need} devices, {len(devices)} available")
         devices = devices[:need]
-    return make_mesh(MeshConfig(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor), devices=devices)
+    return make_mesh(same_named(MeshConfig, m), devices=devices)
 
 
 def learner_config(cfg: RunConfig) -> LearnerConfig:
-    a, o, t, r = cfg.algorithm, cfg.optim, cfg.trainer, cfg.rollout
-    row_len = t.row_len or (cfg.data.max_prompt_len or 0) + r.global_max_len
-    return LearnerConfig(
-        is_mode=a.is_mode, mask_mode=a.mask_mode, tau=a.tau, sigma=a.sigma, entropy_mode=a.entropy_mode,
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, loss_agg_mode=a.loss_agg_mode,
-        entropy_coeff=a.entropy_coeff, aux_loss_coef=a.aux_loss_coef,
-        lr=o.lr, warmup_steps=o.warmup_steps, weight_decay=o.weight_decay, adam_b1=o.betas[0],
-        adam_b2=o.betas[1], adam_eps=o.eps, grad_clip=o.grad_clip or 0.0,
-        ppo_mini_batch_size=t.ppo_mini_batch_size, ppo_epochs=t.ppo_epochs, micro_batch_rows=t.micro_batch_rows,
-        row_len=row_len, remat=remat_policy(t.remat), scan_layers=t.scan_layers,
-        logprob_chunk=t.logprob_chunk,
-        temperature=r.temperature if r.temperature > 0 else 1.0)
+    """The learner's options, taken by name from the run config's sections (`learner.OPTION_SECTIONS`); only
+    what is derived is computed here: the row length when `trainer.row_len` is null, the remat policy of
+    an older config's true / false, and the temperature log-probs are scored at (1.0 for greedy rollouts)."""
+    values = {name: getattr(getattr(cfg, section), name)
+              for section, names in OPTION_SECTIONS.items() for name in names}
+    r = cfg.rollout
+    values["row_len"] = values["row_len"] or (cfg.data.max_prompt_len or 0) + r.global_max_len
+    values["remat"] = remat_policy(values["remat"])
+    return LearnerConfig(**values, temperature=r.temperature if r.temperature > 0 else 1.0)
+
+
+def rollout_config(cfg: RunConfig, tokenizer, max_prompt_len: int) -> RolloutConfig:
+    """Segment rollout's options: `rollout.global_max_len` / `num_segments` by name, the group size from
+    `rollout.n`, the sampling from `rollout.temperature` / `top_k` / `top_p`."""
+    return same_named(RolloutConfig, cfg.rollout, samples_per_prompt=cfg.rollout.n, max_prompt_len=max_prompt_len,
+                      eos_token_ids=eos_ids(tokenizer), sampling=sampling_params(cfg))
+
+
+def build_engine(cfg: RunConfig, model, tokenizer, *, slots: int, max_len: int, sampling: SamplingParams,
+                 mesh=None) -> PolicyEngine:
+    """The decode engine of the trainer and `ulorl eval`: `slots` samples in flight, prompts + outputs up to
+    `max_len` tokens, prefill cut by `rollout.prefill_buckets` / `prefill_token_budget`."""
+    r = cfg.rollout
+    return PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len, max_cache_len=max_len,
+                        prefill_buckets=r.prefill_buckets, prefill_token_budget=r.prefill_token_budget,
+                        sampling=sampling, eos_token_ids=eos_ids(tokenizer), tokenizer=tokenizer, mesh=mesh)
 
 
 def build_scorer(cfg: RunConfig) -> RewardScorer:
-    r = cfg.reward
-    return RewardScorer(RewardConfig(kind=r.kind, answer_pattern=r.answer_pattern, timeout_s=r.timeout_s,
-                                     custom_fn=r.custom_fn, workers=r.workers, extraction=r.extraction))
+    return RewardScorer(same_named(RewardConfig, cfg.reward))
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+    return same_named(SamplingParams, cfg.rollout)
 
 
 def eval_sampling_params(cfg: RunConfig) -> SamplingParams:
-    e = cfg.eval
-    return SamplingParams(temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+    return same_named(SamplingParams, cfg.eval)
 
 
 def eos_ids(tokenizer) -> tuple[int, ...]:

@@ -17,11 +17,11 @@ import numpy as np
 
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
-from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
 from ulorl_jax.memory import kv_cache_bytes, memory_budget
 from ulorl_jax.rewards.scorer import RewardScorer
 from ulorl_jax.rl.packing import TrainSample
 from ulorl_jax.rl.pass_at_k import grouped_pass_at_k
+from ulorl_jax.rollout.segment import RolloutConfig, SegmentRollout
 from ulorl_jax.types import PromptItem, Sample
 
 log = logging.getLogger(__name__)
@@ -125,14 +125,11 @@ def plan_eval(cfg, model_config, prompts: list[PromptItem], *, k: int | None, ma
 
 def run_eval(cfg, loaded, prompts: list[PromptItem], plan: EvalPlan, *, seed: int | None = None) -> dict[str, Any]:
     """Evaluate `loaded` (model_source.LoadedModel) on `prompts` as `plan` says; returns the eval metrics."""
-    from ulorl_jax.rl.build import build_scorer, eos_ids, eval_sampling_params
+    from ulorl_jax.rl.build import build_engine, build_scorer, eval_sampling_params
 
     sampling = eval_sampling_params(cfg)
-    max_len = plan.max_prompt_len + plan.max_new_tokens
-    engine = PolicyEngine(loaded.model, max_concurrent_decodes=plan.slots, max_prefill_length=max_len,
-                          max_cache_len=max_len, prefill_buckets=cfg.rollout.prefill_buckets,
-                          prefill_token_budget=cfg.rollout.prefill_token_budget, sampling=sampling,
-                          eos_token_ids=eos_ids(loaded.tokenizer), tokenizer=loaded.tokenizer)
+    engine = build_engine(cfg, loaded.model, loaded.tokenizer, slots=plan.slots,
+                          max_len=plan.max_prompt_len + plan.max_new_tokens, sampling=sampling)
     scorer = build_scorer(cfg)
     try:
         return evaluate(engine, engine.load_params(), prompts, scorer, k=plan.k, max_new_tokens=plan.max_new_tokens,

@@ -38,20 +38,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ulorl_jax import choices
+from ulorl_jax.models.config import ConfigError
 from ulorl_jax.models.logprobs import chunked_logprobs_and_entropy
+from ulorl_jax.options import CHOICES, RANGES, check_option
 from ulorl_jax.rl.losses import (
-    ENTROPY_MODES,
-    IS_MODES,
-    LOSS_AGG_MODES,
-    MASK_MODES,
     logprob_mismatch_sums,
     weighted_policy_loss,
 )
-from ulorl_jax.rl.packing import PackedBatch, TrainSample, loss_weights, pack_samples, validate_samples
-from ulorl_jax.sharding import BATCH_AXES, MeshConfig, MeshError, axis_size, make_mesh, mesh_context, param_shardings
+from ulorl_jax.rl.packing import (
+    PackedBatch,
+    TrainSample,
+    loss_weights,
+    pack_samples,
+    validate_samples,
+)
+from ulorl_jax.sharding import (
+    BATCH_AXES,
+    MeshConfig,
+    MeshError,
+    axis_size,
+    make_mesh,
+    mesh_context,
+    param_shardings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +80,21 @@ REMAT_POLICIES: dict[str, Any] = {
 assert tuple(REMAT_POLICIES) == choices.REMAT, "choices.REMAT names the policies"
 
 
+# Which section of the run config each LearnerConfig field is (same name there): `build.learner_config`
+# takes them by name, and a bad value gets the same check (options.py) and message as in a YAML.
+OPTION_SECTIONS: dict[str, tuple[str, ...]] = {
+    "algorithm": ("is_mode", "mask_mode", "tau", "sigma", "entropy_mode", "clip_ratio_low", "clip_ratio_high",
+                  "loss_agg_mode", "entropy_coeff", "aux_loss_coef"),
+    "optim": ("lr", "warmup_steps", "weight_decay", "betas", "eps", "grad_clip"),
+    "trainer": ("ppo_mini_batch_size", "ppo_epochs", "micro_batch_rows", "row_len", "remat", "scan_layers",
+                "logprob_chunk"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
-    """Learner options; names follow verl where the concept is the same."""
+    """Learner options: the run config's `algorithm`, `optim` and `trainer` fields of the same names
+    (OPTION_SECTIONS; names follow verl where the concept is the same), plus the rollout temperature."""
 
     is_mode: str = "pois"  # "pois" | "sais" (ULORL.md §2)
     mask_mode: str = "dmmpt"  # "none" | "mpt" | "dmmpt" (ULORL.md §3)
@@ -80,13 +105,13 @@ class LearnerConfig:
     clip_ratio_high: float = 0.2
     loss_agg_mode: str = "token-mean"  # Eq. 10; or "seq-mean-token-mean"
     entropy_coeff: float = 0.0  # entropy bonus (loss −= coeff · entropy)
+    aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight
     lr: float = 1e-6  # constant after warmup, as the paper
     warmup_steps: int = 0
     weight_decay: float = 0.0
-    adam_b1: float = 0.9
-    adam_b2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max global grad norm; None = off
     ppo_mini_batch_size: int | None = None  # samples per optimizer update; None = all of them
     ppo_epochs: int = 1
     micro_batch_rows: int = 1  # packed rows per micro-batch (a multiple of the mesh's data shards)
@@ -94,39 +119,20 @@ class LearnerConfig:
     remat: str = "full"  # see REMAT_POLICIES
     scan_layers: bool = False  # decoder layers as one lax.scan (compile time independent of depth)
     logprob_chunk: int = 1024  # sequence chunk of the log-prob / entropy scan
-    aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight
     temperature: float = 1.0  # rollout temperature; log-probs are recomputed at it
 
     def __post_init__(self):
-        for name, allowed in (("is_mode", IS_MODES), ("mask_mode", MASK_MODES), ("entropy_mode", ENTROPY_MODES),
-                              ("loss_agg_mode", LOSS_AGG_MODES), ("remat", tuple(REMAT_POLICIES))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"learner.{name}={getattr(self, name)!r} is not one of {list(allowed)}")
-        checks = [
-            ("tau", 0.0 < self.tau <= 1.0, "in (0, 1]"),
-            ("sigma", self.sigma >= 0.0, ">= 0"),
-            ("clip_ratio_low", 0.0 <= self.clip_ratio_low < 1.0, "in [0, 1)"),
-            ("clip_ratio_high", self.clip_ratio_high >= 0.0, ">= 0"),
-            ("entropy_coeff", math.isfinite(self.entropy_coeff), "finite"),
-            ("lr", self.lr >= 0.0 and math.isfinite(self.lr), ">= 0"),
-            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
-            ("weight_decay", self.weight_decay >= 0.0, ">= 0"),
-            ("adam_b1", 0.0 <= self.adam_b1 < 1.0, "in [0, 1)"),
-            ("adam_b2", 0.0 <= self.adam_b2 < 1.0, "in [0, 1)"),
-            ("adam_eps", self.adam_eps > 0.0, "> 0"),
-            ("grad_clip", self.grad_clip >= 0.0, ">= 0 (0 = off)"),
-            ("ppo_mini_batch_size", self.ppo_mini_batch_size is None or self.ppo_mini_batch_size >= 1,
-             ">= 1 or None"),
-            ("ppo_epochs", self.ppo_epochs >= 1, ">= 1"),
-            ("micro_batch_rows", self.micro_batch_rows >= 1, ">= 1"),
-            ("row_len", self.row_len >= 2, ">= 2"),
-            ("logprob_chunk", self.logprob_chunk >= 1, ">= 1"),
-            ("aux_loss_coef", self.aux_loss_coef >= 0.0, ">= 0"),
-            ("temperature", self.temperature > 0.0, "> 0 (greedy rollouts: use 1.0)"),
-        ]
-        for name, ok, want in checks:
-            if not ok:
-                raise ValueError(f"learner.{name}={getattr(self, name)!r} must be {want}")
+        object.__setattr__(self, "betas", tuple(self.betas))
+        for section, names in OPTION_SECTIONS.items():
+            for name in names:
+                if f"{section}.{name}" in CHOICES or f"{section}.{name}" in RANGES:
+                    check_option(f"{section}.{name}", getattr(self, name))
+        if self.row_len is None:
+            raise ConfigError("trainer.row_len=None: the learner needs a row length (the run config derives it "
+                              "from data.max_prompt_len + rollout.global_max_len)")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ConfigError(f"rollout.temperature={self.temperature!r}: the learner needs > 0 (greedy rollouts: "
+                              "score at 1.0)")
 
     @classmethod
     def from_dict(cls, d: dict) -> "LearnerConfig":
@@ -140,9 +146,9 @@ class LearnerConfig:
 def make_optimizer(config: LearnerConfig) -> optax.GradientTransformation:
     """AdamW, constant lr after a linear warmup, global-norm clipping first."""
     lr = optax.warmup_constant_schedule(0.0, config.lr, config.warmup_steps) if config.warmup_steps else config.lr
-    adamw = optax.adamw(lr, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
+    adamw = optax.adamw(lr, b1=config.betas[0], b2=config.betas[1], eps=config.eps,
                         weight_decay=config.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw) if config.grad_clip > 0 else adamw
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw) if config.grad_clip else adamw
 
 
 # ---------------------------------------------------------------------------

@@ -47,7 +47,6 @@ from ulorl_jax.data.sources import (
     eval_prompts,
     prompt_file_stream,
 )
-from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.placement import (
     decode_placement,
     device_memory_bytes,
@@ -63,13 +62,13 @@ from ulorl_jax.rl.advantages import (
     grpo_advantages,
 )
 from ulorl_jax.rl.build import (
+    build_engine,
     build_mesh,
     build_model,
     build_scorer,
-    eos_ids,
     eval_sampling_params,
     learner_config,
-    sampling_params,
+    rollout_config,
 )
 from ulorl_jax.rl.evaluation import evaluate, score_samples
 from ulorl_jax.rl.hooks import StepHook, default_hooks, run_hooks
@@ -77,7 +76,6 @@ from ulorl_jax.rl.learner import Learner
 from ulorl_jax.rl.packing import TrainSample
 from ulorl_jax.rollout.backends import make_segment_rollout
 from ulorl_jax.rollout.distributed import DistributedRollout
-from ulorl_jax.rollout.segment import RolloutConfig
 from ulorl_jax.types import Sample
 
 log = logging.getLogger(__name__)
@@ -182,14 +180,9 @@ class Trainer:
         self.placement = decode_placement(r.decode_mesh, self.mesh, self.learner.params)
         log.info("rollout decodes on %s (rollout.decode_mesh=%s)",
                  self.placement.describe(weight_bytes(self.learner.params)), r.decode_mesh)
-        rollout_cfg = RolloutConfig(global_max_len=r.global_max_len, num_segments=r.num_segments,
-                                    samples_per_prompt=r.n, max_prompt_len=self.max_prompt_len,
-                                    eos_token_ids=eos_ids(self.tokenizer), sampling=sampling_params(cfg))
-        self.engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len,
-                                   max_cache_len=max_len, prefill_buckets=r.prefill_buckets,
-                                   prefill_token_budget=r.prefill_token_budget,
-                                   sampling=rollout_cfg.sampling, eos_token_ids=rollout_cfg.eos_token_ids,
-                                   tokenizer=self.tokenizer, mesh=self.placement.engine_mesh)
+        rollout_cfg = rollout_config(cfg, self.tokenizer, self.max_prompt_len)
+        self.engine = build_engine(cfg, model, self.tokenizer, slots=slots, max_len=max_len,
+                                   sampling=rollout_cfg.sampling, mesh=self.placement.engine_mesh)
         self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
                                             length_oracle=length_oracle)
         self.process_count = jax.process_count()
