@@ -28,7 +28,7 @@ with its error and traceback tail, and the next part runs):
        -> env.json
   a    kernel tests compiled for the GPU (Triton, not interpret mode; the tests pick interpret mode
        only when jax's backend is cpu, and this part sets JAX_PLATFORMS=cuda) against their
-       references, forward and backward: tests/test_kernels_{attention,decode,gmm}.py
+       references, forward and backward: tests/kernel_tests/test_kernels_{attention,decode,gmm}.py
        -> kernels_junit.xml
   b    the kernel table of benchmarks/attention.py: flash attention vs cuDNN / XLA / torch SDPA at
        4k-64k, decode attention GB/s vs HBM peak, grouped matmul vs ragged_dot and dense
@@ -96,11 +96,11 @@ ENV_TIMEOUT_S = 60
 H200_BF16_DENSE_TFLOPS = 989.4  # vendor datasheet, dense (H200.md)
 H200_BF16_MEASURED_TFLOPS = 790.0  # 8192^3 bf16 matmul via torch on this workplace's H200s (KINDS.md)
 H200_HBM_GBS = 4800.0
-KERNEL_TESTS = ("tests/test_kernels_attention.py", "tests/test_kernels_decode.py", "tests/test_kernels_gmm.py")
+KERNEL_TESTS = ("tests/kernel_tests/test_kernels_attention.py", "tests/kernel_tests/test_kernels_decode.py", "tests/kernel_tests/test_kernels_gmm.py")
 # Dry run: one real kernel check per file (fwd + bwd where the test has it), interpret mode.
-DRY_KERNEL_TESTS = ("tests/test_kernels_attention.py::test_f32_gqa_ratios[8-False]",
-                    "tests/test_kernels_decode.py::test_ragged_cache_and_zero_length",
-                    "tests/test_kernels_gmm.py::test_f32_forward_and_grads[tile_aligned]")
+DRY_KERNEL_TESTS = ("tests/kernel_tests/test_kernels_attention.py::test_f32_gqa_ratios[8-False]",
+                    "tests/kernel_tests/test_kernels_decode.py::test_ragged_cache_and_zero_length",
+                    "tests/kernel_tests/test_kernels_gmm.py::test_f32_forward_and_grads[tile_aligned]")
 
 # pyproject distribution name -> import name (where they differ)
 IMPORT_NAMES = {"orbax-checkpoint": "orbax.checkpoint", "pyyaml": "yaml", "math-verify": "math_verify",

@@ -1,4 +1,4 @@
-"""Run the `ulorl` CLI with one fault injected at a chosen point (used by tests/test_reliability.py).
+"""Run the `ulorl` CLI with one fault injected at a chosen point (used by tests/rl/test_reliability.py).
 
     python tests/fault_inject.py KIND:N -- train --config tiny_cpu --run-dir DIR [...]
 

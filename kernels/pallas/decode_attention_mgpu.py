@@ -24,7 +24,7 @@ multiple of 64. If S is not a multiple of block_k the cache is padded (a copy):
 allocate caches in multiples of block_k.
 
 Verification status: the sm90 lowering (Pallas -> Mosaic GPU custom call) is
-tested without a GPU on jax >= 0.12 (tests/test_kernels_mgpu.py), and the
+tested without a GPU on jax >= 0.12 (tests/kernel_tests/test_kernels_mgpu.py), and the
 numerics against ``decode_attention_reference`` under jax's Mosaic GPU
 interpreter on CPU (``interpret=True`` here). Not yet compiled or run on an
 H100/H200; the defaults are untuned. Forward only (inference). Not wired into

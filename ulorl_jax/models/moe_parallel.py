@@ -106,7 +106,7 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_f
     d_rhs summed over the token axes, which vma typing would need declared per axis) and for a Pallas
     local_fn — a pallas_call's out_shape carries no varying-axes type and
     the Pallas interpreter cannot run under checked types (as kernels/pallas/sharded.py for attention); the
-    gradients are tested equal to one device both ways (tests/test_moe_parallel.py).
+    gradients are tested equal to one device both ways (tests/models/test_moe_parallel.py).
     """
     rows_per_chunk = ROWS_PER_CHUNK if rows_per_chunk is None else rows_per_chunk
     rules = DEFAULT_PARAM_RULES

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_learner import VOCAB, _assert_trees_close, _config
+from learner_utils import VOCAB, assert_trees_close, small_config
 
 from ulorl_jax.models import init_model, tiny_config
 from ulorl_jax.models.layer_scan import unscannable
@@ -51,7 +51,7 @@ def test_scanned_gradients_equal_unrolled():
         loss, grads = _loss_and_grads(model, scan=True)
         np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
         # grads are O(100) here (sum of sin over all hidden units): atol 1e-4 is 1e-6 of their scale
-        _assert_trees_close(grads, grads_ref, 1e-5, 1e-4, f"{model_type} scanned grads")
+        assert_trees_close(grads, grads_ref, 1e-5, 1e-4, f"{model_type} scanned grads")
 
 
 def test_mixed_layers_run_unrolled_with_a_warning(caplog):
@@ -80,7 +80,7 @@ def test_scanned_backward_memory_grows_by_one_saved_input_per_layer():
     for layers in (2, 6):
         mc = tiny_config("qwen3", vocab_size=256, hidden_size=hidden, intermediate_size=256, head_dim=16,
                          num_hidden_layers=layers, max_position_embeddings=row_len)
-        lc = _config(row_len=row_len, micro_batch_rows=rows, logprob_chunk=512, scan_layers=True)
+        lc = small_config(row_len=row_len, micro_batch_rows=rows, logprob_chunk=512, scan_layers=True)
         peaks[layers] = compile_train_step(mc, lc, mesh, rows, row_len)["peak_bytes"]
     per_layer = (peaks[6] - peaks[2]) / 4
     saved_input = rows * row_len * hidden * 4  # f32 [rows, row_len, D]

@@ -6,47 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from learner_utils import DENSE, VOCAB, assert_trees_close, random_samples, small_config
 
 from ulorl_jax.models import init_model, tiny_config
 from ulorl_jax.rl.learner import Learner, LearnerConfig, TrainSample
 from ulorl_jax.sharding import MeshConfig, MeshError, make_mesh
-
-VOCAB = 48
-DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8, num_hidden_layers=1)
-
-
-def _samples(seed: int, n: int, *, logprobs: bool = True, max_len: int = 14):
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        p = int(rng.integers(1, 4))
-        o = int(rng.integers(2, max_len - p + 1))
-        out.append(TrainSample(rng.integers(0, VOCAB, p).tolist(), rng.integers(0, VOCAB, o).tolist(),
-                               advantage=float(rng.normal()), reward=float(i % 2),
-                               logprobs=(-rng.uniform(0.5, 4.0, o)).tolist() if logprobs else None))
-    return out
-
-
-def _config(**kw) -> LearnerConfig:
-    base = dict(lr=1e-2, row_len=16, micro_batch_rows=1, logprob_chunk=8, remat="full", sigma=0.2,
-                mask_mode="dmmpt", grad_clip=1.0)
-    return LearnerConfig(**{**base, **kw})
 
 
 def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
-def _assert_trees_close(a, b, rtol, atol, what):
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
-                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
-
-
 @pytest.fixture(scope="module")
 def dense_learner():
     """One compiled learner shared by the cheap tests (each recompile costs tens of seconds here)."""
-    return Learner(init_model(tiny_config("qwen3", **DENSE), seed=0), _config())
+    return Learner(init_model(tiny_config("qwen3", **DENSE), seed=0), small_config())
 
 
 # ---------------------------------------------------------------------------
@@ -130,7 +104,7 @@ def test_learner_config_takes_every_option_from_the_run_config():
 
 
 def test_bad_samples_raise_before_any_compute(dense_learner):
-    good = _samples(0, 2)
+    good = random_samples(0, 2)
     cases = [
         ([TrainSample([1], [2, 3], float("nan"), 1.0)], "sample 0: advantage is nan"),
         ([TrainSample([1], [2, 3], 1.0, 1.0, [-0.1])], "sample 0: logprobs has 1 entries for 2 response tokens"),
@@ -143,17 +117,17 @@ def test_bad_samples_raise_before_any_compute(dense_learner):
     for samples, match in cases:
         with pytest.raises(ValueError, match=match):
             dense_learner.update(samples)
-    _assert_trees_close(dense_learner.params, before, 0, 0, "params after rejected input")
+    assert_trees_close(dense_learner.params, before, 0, 0, "params after rejected input")
     sais = Learner.__new__(Learner)  # validation only: no model needed
-    sais.config = _config(is_mode="sais")
+    sais.config = small_config(is_mode="sais")
     with pytest.raises(ValueError, match="is_mode='sais' needs the rollout log-probs"):
-        Learner.update(sais, _samples(0, 2, logprobs=False))
+        Learner.update(sais, random_samples(0, 2, logprobs=False))
 
 
 def test_micro_batch_rows_must_divide_over_data_shards():
     mesh = make_mesh(MeshConfig(fsdp=8))
     with pytest.raises(MeshError, match="micro_batch_rows=4 must be a multiple of the mesh's 8 data shards"):
-        Learner(init_model(tiny_config("qwen3", **DENSE), seed=0), _config(micro_batch_rows=4), mesh)
+        Learner(init_model(tiny_config("qwen3", **DENSE), seed=0), small_config(micro_batch_rows=4), mesh)
 
 
 # ---------------------------------------------------------------------------
@@ -162,7 +136,7 @@ def test_micro_batch_rows_must_divide_over_data_shards():
 
 
 def test_pois_first_update_ratio_one_then_learns(dense_learner):
-    samples = _samples(1, 5)
+    samples = random_samples(1, 5)
     before = _host(dense_learner.params)
     step0 = dense_learner.step
     m = dense_learner.update(samples)
@@ -181,7 +155,7 @@ def test_pois_first_update_ratio_one_then_learns(dense_learner):
 
 
 def test_non_finite_step_is_skipped_inside_jit(dense_learner, caplog):
-    _, batch = dense_learner.pack(_samples(2, 4))
+    _, batch = dense_learner.pack(random_samples(2, 4))
     batch["old_from_current"] = np.asarray(True)
     batch["advantages"] = batch["advantages"].copy()
     batch["advantages"][batch["response_mask"] > 0] = np.nan  # injected past host validation
@@ -191,36 +165,36 @@ def test_non_finite_step_is_skipped_inside_jit(dense_learner, caplog):
         m = dense_learner.apply(batch)
     assert m["skipped"] == 1.0 and not np.isfinite(m["loss"])
     assert dense_learner.step == step0 and "left unchanged" in caplog.text
-    _assert_trees_close(dense_learner.params, before_params, 0, 0, "params")
-    _assert_trees_close(dense_learner.opt_state, before_opt, 0, 0, "opt_state")
-    ok = dense_learner.update(_samples(2, 4))  # and the learner carries on
+    assert_trees_close(dense_learner.params, before_params, 0, 0, "params")
+    assert_trees_close(dense_learner.opt_state, before_opt, 0, 0, "opt_state")
+    ok = dense_learner.update(random_samples(2, 4))  # and the learner carries on
     assert ok["skipped"] == 0 and dense_learner.step == step0 + 1
 
 
 def test_jit_cache_stays_small_and_state_round_trips(dense_learner):
     for seed, n in enumerate([3, 4, 5, 6, 7]):  # varying sample counts -> few shape buckets
-        dense_learner.update(_samples(10 + seed, n))
+        dense_learner.update(random_samples(10 + seed, n))
     # Buckets: rows (a power of two) x sample slots (a power of two); here at most 2 x 2.
     seen = dense_learner.jit_cache_sizes()["train"]
     assert seen <= 4
     for seed, n in reversed(list(enumerate([3, 4, 5, 6, 7]))):  # seen buckets, new params: no recompile
-        dense_learner.update(_samples(10 + seed, n))
+        dense_learner.update(random_samples(10 + seed, n))
     assert dense_learner.jit_cache_sizes()["train"] == seen
 
     saved = _host(dense_learner.state_dict())
-    other = Learner(init_model(tiny_config("qwen3", **DENSE), seed=99), _config())
+    other = Learner(init_model(tiny_config("qwen3", **DENSE), seed=99), small_config())
     other.load_state_dict(saved)
     assert other.step == dense_learner.step
-    samples = _samples(20, 5)
+    samples = random_samples(20, 5)
     m1, m2 = dense_learner.update(samples), other.update(samples)
     assert m1["loss"] == m2["loss"] and m1["grad_norm"] == m2["grad_norm"]
-    _assert_trees_close(dense_learner.params, other.params, 0, 0, "params after restore + update")
+    assert_trees_close(dense_learner.params, other.params, 0, 0, "params after restore + update")
     with pytest.raises(ValueError, match="lacks 'opt_state'"):
         other.load_state_dict({"params": saved["params"], "step": 1})
 
 
 def test_sft_update_lowers_nll(dense_learner):
-    samples = _samples(5, 4)
+    samples = random_samples(5, 4)
     first = dense_learner.sft_update(samples)
     for _ in range(15):
         last = dense_learner.sft_update(samples)
@@ -232,7 +206,7 @@ def test_mean_entropy_equals_numpy_softmax_entropy(dense_learner):
     """Learner.mean_entropy == mean over response tokens of -sum p log p from the model's own logits."""
     from flax import nnx
 
-    samples = _samples(7, 5, logprobs=False)
+    samples = random_samples(7, 5, logprobs=False)
     model = nnx.merge(dense_learner.graphdef, dense_learner.params, dense_learner._other)
     total, count = 0.0, 0
     for s in samples:
@@ -249,8 +223,8 @@ def test_mean_entropy_equals_numpy_softmax_entropy(dense_learner):
 def test_several_mini_batches_and_epochs():
     """POIS recomputes π_old once: the first update still has ratio 1; later ones move away from it."""
     learner = Learner(init_model(tiny_config("qwen3", **DENSE), seed=0),
-                      _config(ppo_mini_batch_size=3, ppo_epochs=2))
-    m = learner.update(_samples(3, 6))
+                      small_config(ppo_mini_batch_size=3, ppo_epochs=2))
+    m = learner.update(random_samples(3, 6))
     assert m["updates"] == 4 and learner.step == 4
     assert m["ratio_max"] > 1.0  # later updates see a moved policy
     assert m["logprob_mismatch_tokens"] == m["tokens"]
@@ -262,18 +236,18 @@ def test_accumulation_over_micro_batches_equals_one_big_batch():
     samples = [TrainSample(rng.integers(0, VOCAB, 2).tolist(), rng.integers(0, VOCAB, 6).tolist(),
                            float(rng.normal()), float(i % 2), (-rng.uniform(0.5, 4, 6)).tolist()) for i in range(8)]
     model = init_model(tiny_config("qwen3", **DENSE), seed=0)
-    big = Learner(model, _config(micro_batch_rows=4))
-    small = Learner(model, _config(micro_batch_rows=1))
+    big = Learner(model, small_config(micro_batch_rows=4))
+    small = Learner(model, small_config(micro_batch_rows=1))
     assert big.pack(samples)[1]["tokens"].shape[:2] == (1, 4)
     assert small.pack(samples)[1]["tokens"].shape[:2] == (4, 1)
     loss_b, grads_b = big.gradients(samples)
     loss_s, grads_s = small.gradients(samples)
     np.testing.assert_allclose(loss_s, loss_b, rtol=1e-6)
-    _assert_trees_close(grads_s, grads_b, 1e-5, 1e-7, "grads")
+    assert_trees_close(grads_s, grads_b, 1e-5, 1e-7, "grads")
     mb, ms = big.update(samples), small.update(samples)
     assert mb["tokens"] == ms["tokens"] and mb["masked_fraction"] == ms["masked_fraction"]
     np.testing.assert_allclose(ms["grad_norm"], mb["grad_norm"], rtol=1e-5)
-    _assert_trees_close(small.params, big.params, 1e-5, 1e-6, "params")
+    assert_trees_close(small.params, big.params, 1e-5, 1e-6, "params")
 
 
 # ---------------------------------------------------------------------------
@@ -287,8 +261,8 @@ def test_sharded_step_equals_single_device():
     cfg = tiny_config("qwen3_moe", vocab_size=VOCAB, hidden_size=32, head_dim=8, num_experts=8,
                       num_hidden_layers=1, moe_intermediate_size=16)
     model = init_model(cfg, seed=5)
-    samples = _samples(8, 20)
-    conf = _config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
+    samples = random_samples(8, 20)
+    conf = small_config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
     ref = Learner(model, conf)
     assert ref.pack(samples)[1]["tokens"].shape[0] == 2  # two micro-batches of 8 rows
     # The gradients themselves: the AdamW step below is close to lr x sign(g) and would hide a gradient
@@ -305,10 +279,10 @@ def test_sharded_step_equals_single_device():
         assert all(x.sharding.mesh == mesh for x in jax.tree.leaves(sharded.params))
         loss, grads = sharded.gradients(samples)
         np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, err_msg=f"loss {mesh_cfg}")
-        _assert_trees_close(grads, g_ref, 1e-4, 1e-5 * g_scale, f"gradients {mesh_cfg}")
+        assert_trees_close(grads, g_ref, 1e-4, 1e-5 * g_scale, f"gradients {mesh_cfg}")
         m = sharded.update(samples)
         for key in ("loss", "grad_norm", "masked_fraction", "entropy", "aux_loss"):
             np.testing.assert_allclose(m[key], m_ref[key], rtol=1e-4, err_msg=f"{key} {mesh_cfg}")
         # Adam divides each gradient element by its own magnitude, so float32 rounding of a near-zero
         # gradient can move that element's step by a fraction of lr (1e-2): params get atol 2e-5 (0.2% of lr).
-        _assert_trees_close(sharded.params, ref.params, 1e-4, 2e-5, f"params {mesh_cfg}")
+        assert_trees_close(sharded.params, ref.params, 1e-4, 2e-5, f"params {mesh_cfg}")

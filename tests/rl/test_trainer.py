@@ -1,6 +1,6 @@
 """The UloRL trainer end to end: exact resume, segments from several policy versions, clear stops.
 
-SIGKILL at random points (rollout, learner step, checkpoint write) and storage faults: tests/test_reliability.py."""
+SIGKILL at random points (rollout, learner step, checkpoint write) and storage faults: tests/rl/test_reliability.py."""
 
 from __future__ import annotations
 

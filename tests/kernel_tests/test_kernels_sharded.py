@@ -177,14 +177,14 @@ def test_embedding_lookup_and_its_gradient_stay_batch_sharded(monkeypatch):
 @pytest.mark.slow
 @needs_8
 def test_learner_gradients_with_pallas_attention_on_a_mesh_equal_single_device(monkeypatch):
-    from test_learner import DENSE, _assert_trees_close, _config, _samples
+    from learner_utils import DENSE, assert_trees_close, random_samples, small_config
 
     from ulorl_jax.models import init_model, tiny_config
     from ulorl_jax.rl.learner import Learner
 
     model = init_model(tiny_config("qwen3", **{**DENSE, "num_hidden_layers": 2}, attention_impl="pallas"), seed=7)
-    samples = _samples(9, 12)
-    conf = _config(micro_batch_rows=8, mask_mode="mpt", tau=0.02)
+    samples = random_samples(9, 12)
+    conf = small_config(micro_batch_rows=8, mask_mode="mpt", tau=0.02)
     loss_ref, grads_ref = Learner(model, conf).gradients(samples)
     calls = []
     real = sharded.shard_attention
@@ -192,7 +192,7 @@ def test_learner_gradients_with_pallas_attention_on_a_mesh_equal_single_device(m
     loss, grads = Learner(model, conf, make_mesh(MeshConfig(data=2, fsdp=2, expert=2))).gradients(samples)
     assert calls  # the model's attention ran per shard
     np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
-    _assert_trees_close(grads, grads_ref, 1e-4, 1e-6, "grads data=2 fsdp=2 expert=2")
+    assert_trees_close(grads, grads_ref, 1e-4, 1e-6, "grads data=2 fsdp=2 expert=2")
 
 
 @needs_8

@@ -139,14 +139,14 @@ def _check_block_on_mesh(mesh_cfg, shape, rows_per_chunk, moe_impl, monkeypatch)
 @pytest.mark.slow
 @needs_8
 def test_scanned_learner_gradients_on_data_fsdp_expert_mesh_equal_unrolled_single_device(monkeypatch):
-    from test_learner import VOCAB, _assert_trees_close, _config, _samples
+    from learner_utils import VOCAB, assert_trees_close, random_samples, small_config
 
     from ulorl_jax.rl.learner import Learner
 
     model = init_model(tiny_config("qwen3_moe", vocab_size=VOCAB, hidden_size=32, head_dim=8, num_experts=8,
                                    num_hidden_layers=2, moe_intermediate_size=16), seed=5)
-    samples = _samples(8, 12)
-    conf = _config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
+    samples = random_samples(8, 12)
+    conf = small_config(micro_batch_rows=8, aux_loss_coef=0.01, mask_mode="mpt", tau=0.02)
     loss_ref, grads_ref = Learner(model, conf).gradients(samples)
     calls = _count_parallel_calls(monkeypatch)
     # The sharded side also scans its layers (models/layer_scan.py): stacked weights keep their shardings.
@@ -154,7 +154,7 @@ def test_scanned_learner_gradients_on_data_fsdp_expert_mesh_equal_unrolled_singl
     loss, grads = Learner(model, scanned, make_mesh(MeshConfig(data=2, fsdp=2, expert=2))).gradients(samples)
     assert calls  # the model's MoE layers ran expert-parallel
     np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
-    _assert_trees_close(grads, grads_ref, 1e-4, 1e-6, "grads data=2 fsdp=2 expert=2")
+    assert_trees_close(grads, grads_ref, 1e-4, 1e-6, "grads data=2 fsdp=2 expert=2")
 
 
 @needs_8
