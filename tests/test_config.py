@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -303,7 +304,27 @@ def test_every_remat_policy_reaches_the_learner_from_yaml(value, policy):
     from ulorl_jax.rl.learner import REMAT_POLICIES
 
     cfg = load_config("tiny_cpu", [f"trainer.remat={value}"])
+    assert cfg.trainer.remat == policy  # older configs' booleans become the policy name at load
     assert learner_config(cfg).remat == policy and policy in REMAT_POLICIES
+
+
+@pytest.mark.parametrize("saved, now, ok", [(True, "full", True), (False, "none", True), (True, "dots", False)])
+def test_a_run_folder_with_an_older_boolean_remat_still_resumes(tmp_path, saved, now, ok):
+    """A run folder's config.yaml written when trainer.remat was true / false resumes under the policy it
+    meant, and a real change of policy is still refused."""
+    from ulorl_jax.config import config_to_dict
+    from ulorl_jax.rl.trainer import check_resume_config
+
+    old = config_to_dict(load_config("tiny_cpu"))
+    old["trainer"]["remat"] = saved
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    cfg = load_config(str(path), [f"trainer.remat={now}"])
+    if ok:
+        check_resume_config(path, cfg)
+    else:
+        with pytest.raises(ValueError, match=r"trainer.remat: 'full' -> 'dots'"):
+            check_resume_config(path, cfg)
 
 
 def test_bad_remat_names_the_key_and_the_policies():
@@ -333,7 +354,8 @@ def test_rollout_engine_reward_and_sampling_take_their_options_by_name():
                                    "reward.timeout_s=2.5", "reward.workers=0", "reward.extraction=math_verify",
                                    "reward.answer_pattern=ans=(\\d+)", "mesh.data=2", "mesh.fsdp=1"])
     tokenizer = build_tokenizer(cfg)
-    rc = rollout_config(cfg, tokenizer, max_prompt_len=40)
+    model = build_model(cfg, tokenizer, seed=0)
+    rc = rollout_config(cfg, model, tokenizer, max_prompt_len=40)
     assert (rc.global_max_len, rc.num_segments, rc.samples_per_prompt, rc.max_prompt_len) == (96, 3, 5, 40)
     assert (rc.sampling.temperature, rc.sampling.top_k, rc.sampling.top_p) == (0.7, 11, 0.9)
     assert rc.eos_token_ids == (tokenizer.eos_token_id,)
@@ -346,9 +368,24 @@ def test_rollout_engine_reward_and_sampling_take_their_options_by_name():
     assert (reward.timeout_s, reward.workers, reward.extraction, reward.answer_pattern) == \
         (2.5, 0, "math_verify", "ans=(\\d+)")
     assert same_named(MeshConfig, cfg.mesh) == MeshConfig(data=2, fsdp=1, expert=1, tensor=1)
-    engine = build_engine(cfg, build_model(cfg, tokenizer, seed=0), tokenizer, slots=3, max_len=136,
+    engine = build_engine(cfg, model, tokenizer, slots=3, max_len=136,
                           sampling=rc.sampling)
     assert (engine.max_concurrent_decodes, engine.max_cache_len) == (3, 136)
     assert engine.prefill_buckets == (16, 64, 136)
     assert engine.prefill_token_budget == 640
     assert engine.sampling == rc.sampling and engine.eos_token_ids == rc.eos_token_ids
+
+
+def test_run_eos_ids_are_the_model_configs_and_the_tokenizers():
+    """The trainer and `ulorl eval` end samples at the same ids as `ulorl generate` / `serve`: the model
+    config's eos_token_id (int or list) and the tokenizer's; neither having one is an error."""
+    import types
+
+    from ulorl_jax.rl.build import eos_ids
+
+    tok = types.SimpleNamespace(eos_token_id=5)
+    assert eos_ids(ModelConfig(eos_token_id=[9, 7]), tok) == (5, 7, 9)
+    assert eos_ids(ModelConfig(eos_token_id=5), tok) == (5,)
+    assert eos_ids(ModelConfig(), tok) == (5,)
+    with pytest.raises(ValueError, match="neither the tokenizer nor the model config has an eos_token_id"):
+        eos_ids(ModelConfig(), types.SimpleNamespace(eos_token_id=None))

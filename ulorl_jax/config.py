@@ -178,7 +178,8 @@ class TrainerOptions:
     micro_batch_rows: int = 1  # packed rows per gradient-accumulation micro-batch
     row_len: int | None = None  # tokens per packed row; null = max_prompt_len + global_max_len
     # per-layer recomputation in the backward pass: full (save each layer's input only), dots (also save
-    # the weight matmuls), dots_saveable, none; true / false (older configs) mean full / none
+    # the weight matmuls), dots_saveable, none; true / false (older configs) mean full / none. Typed Any so
+    # that the older booleans load; load_config turns them into the policy name (remat_policy).
     remat: Any = "full"
     # decoder layers as one lax.scan over their stacked weights: compile time independent of depth and
     # one layer's activations live in the backward pass; costs a compute-dtype copy of the layer weights
@@ -459,6 +460,7 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _omegaconf_error(err, given, "") from None
+    cfg.trainer.remat = remat_policy(cfg.trainer.remat)  # from here on always a name of choices.REMAT
     validate(cfg)
     return cfg
 
@@ -505,7 +507,7 @@ def validate(cfg: RunConfig) -> None:
         if any(isinstance(v, float) and not math.isfinite(v) for v in values):
             raise ConfigError(f"{key}={value!r}: expected a finite number")
     for key in (*CHOICES, *RANGES):  # the bounds of options.py, shared with LearnerConfig
-        check_option(key, remat_policy(flat[key]) if key == "trainer.remat" else flat[key])
+        check_option(key, flat[key])
     resolve_dtype(cfg.model.dtype, option="model.dtype")
 
     m = cfg.model

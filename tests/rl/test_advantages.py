@@ -80,6 +80,7 @@ def test_dynamic_sampling_drops_exactly_constant_groups():
     report = dynamic_sampling_report(rewards)
     assert report == DynamicSamplingReport(kept=2, dropped_all_correct=1, dropped_all_wrong=2)
     assert report.dropped == 3
+    assert report.keep == (False, True, False, True, False)  # what the trainer filters by
     # Kept groups are exactly those with a nonzero advantage somewhere.
     has_signal = np.abs(np.asarray(grpo_advantages(rewards))).max(axis=1) > 0
     np.testing.assert_array_equal(keep, has_signal)
@@ -92,6 +93,7 @@ def test_dynamic_sampling_random_vs_numpy():
     np.testing.assert_array_equal(dynamic_sampling_keep(rewards), expected)
     report = dynamic_sampling_report(rewards)
     assert report.kept == expected.sum()
+    np.testing.assert_array_equal(report.keep, expected)
     assert report.dropped_all_correct == int((rewards.sum(1) == 4).sum())
     assert report.dropped_all_wrong == int((rewards.sum(1) == 0).sum())
     assert report.dropped_other_constant == 0

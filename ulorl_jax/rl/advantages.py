@@ -57,6 +57,7 @@ class DynamicSamplingReport:
     dropped_all_correct: int  # every reward == 1
     dropped_all_wrong: int  # every reward == 0
     dropped_other_constant: int = 0  # all equal to another value (non-binary rewards)
+    keep: tuple[bool, ...] = dataclasses.field(default=(), compare=False)  # per group, dynamic_sampling_keep
 
     @property
     def dropped(self) -> int:
@@ -82,4 +83,5 @@ def dynamic_sampling_report(rewards: np.ndarray) -> DynamicSamplingReport:
         dropped_all_correct=int(all_correct.sum()),
         dropped_all_wrong=int(all_wrong.sum()),
         dropped_other_constant=int((~keep & ~all_correct & ~all_wrong).sum()),
+        keep=tuple(bool(k) for k in keep),
     )

@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ulorl_jax.config import RunConfig, remat_policy
+from ulorl_jax.config import RunConfig
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
+from ulorl_jax.model_source import eos_token_ids
 from ulorl_jax.rewards.scorer import RewardConfig, RewardScorer
 from ulorl_jax.rl.learner import OPTION_SECTIONS, LearnerConfig
 from ulorl_jax.rollout.segment import RolloutConfig
@@ -69,21 +70,20 @@ def build_mesh(cfg: RunConfig):
 
 def learner_config(cfg: RunConfig) -> LearnerConfig:
     """The learner's options, taken by name from the run config's sections (`learner.OPTION_SECTIONS`); only
-    what is derived is computed here: the row length when `trainer.row_len` is null, the remat policy of
-    an older config's true / false, and the temperature log-probs are scored at (1.0 for greedy rollouts)."""
+    what is derived is computed here: the row length when `trainer.row_len` is null and the temperature
+    log-probs are scored at (1.0 for greedy rollouts)."""
     values = {name: getattr(getattr(cfg, section), name)
               for section, names in OPTION_SECTIONS.items() for name in names}
     r = cfg.rollout
     values["row_len"] = values["row_len"] or (cfg.data.max_prompt_len or 0) + r.global_max_len
-    values["remat"] = remat_policy(values["remat"])
     return LearnerConfig(**values, temperature=r.temperature if r.temperature > 0 else 1.0)
 
 
-def rollout_config(cfg: RunConfig, tokenizer, max_prompt_len: int) -> RolloutConfig:
+def rollout_config(cfg: RunConfig, model, tokenizer, max_prompt_len: int) -> RolloutConfig:
     """Segment rollout's options: `rollout.global_max_len` / `num_segments` by name, the group size from
     `rollout.n`, the sampling from `rollout.temperature` / `top_k` / `top_p`."""
     return same_named(RolloutConfig, cfg.rollout, samples_per_prompt=cfg.rollout.n, max_prompt_len=max_prompt_len,
-                      eos_token_ids=eos_ids(tokenizer), sampling=sampling_params(cfg))
+                      eos_token_ids=eos_ids(model.config, tokenizer), sampling=sampling_params(cfg))
 
 
 def build_engine(cfg: RunConfig, model, tokenizer, *, slots: int, max_len: int, sampling: SamplingParams,
@@ -93,7 +93,8 @@ def build_engine(cfg: RunConfig, model, tokenizer, *, slots: int, max_len: int, 
     r = cfg.rollout
     return PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len, max_cache_len=max_len,
                         prefill_buckets=r.prefill_buckets, prefill_token_budget=r.prefill_token_budget,
-                        sampling=sampling, eos_token_ids=eos_ids(tokenizer), tokenizer=tokenizer, mesh=mesh)
+                        sampling=sampling, eos_token_ids=eos_ids(model.config, tokenizer), tokenizer=tokenizer,
+                        mesh=mesh)
 
 
 def build_scorer(cfg: RunConfig) -> RewardScorer:
@@ -108,9 +109,11 @@ def eval_sampling_params(cfg: RunConfig) -> SamplingParams:
     return same_named(SamplingParams, cfg.eval)
 
 
-def eos_ids(tokenizer) -> tuple[int, ...]:
-    ids = tokenizer.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
+def eos_ids(model_config, tokenizer) -> tuple[int, ...]:
+    """The ids that end a sample (`model_source.eos_token_ids`: the model config's and the tokenizer's, as
+    `ulorl generate` and `ulorl serve` use); a run cannot go on without one."""
+    ids = eos_token_ids(model_config, tokenizer)
     if not ids:
-        raise ValueError("the tokenizer has no eos_token_id; the rollout needs one to end samples")
-    return tuple(int(i) for i in ids)
+        raise ValueError("neither the tokenizer nor the model config has an eos_token_id; the rollout needs one "
+                         "to end samples")
+    return ids

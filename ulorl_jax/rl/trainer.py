@@ -57,7 +57,6 @@ from ulorl_jax.memory import check_train_memory, memory_budget, train_memory
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
 from ulorl_jax.rl.advantages import (
-    dynamic_sampling_keep,
     dynamic_sampling_report,
     grpo_advantages,
 )
@@ -95,7 +94,7 @@ def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
         return
     import yaml
 
-    from ulorl_jax.config import config_to_dict
+    from ulorl_jax.config import config_to_dict, remat_policy
 
     def flat(tree, prefix=""):
         out = {}
@@ -108,6 +107,8 @@ def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
         return out
 
     saved, now = flat(yaml.safe_load(saved_path.read_text())), flat(config_to_dict(cfg))
+    if isinstance(saved.get("trainer.remat"), bool):  # run folders written before remat took policy names
+        saved["trainer.remat"] = remat_policy(saved["trainer.remat"])
     changed = sorted(k for k in set(saved) | set(now)
                      if saved.get(k) != now.get(k) and not k.startswith(RESUME_MUTABLE_PREFIXES))
     if changed:
@@ -180,7 +181,7 @@ class Trainer:
         self.placement = decode_placement(r.decode_mesh, self.mesh, self.learner.params)
         log.info("rollout decodes on %s (rollout.decode_mesh=%s)",
                  self.placement.describe(weight_bytes(self.learner.params)), r.decode_mesh)
-        rollout_cfg = rollout_config(cfg, self.tokenizer, self.max_prompt_len)
+        rollout_cfg = rollout_config(cfg, model, self.tokenizer, self.max_prompt_len)
         self.engine = build_engine(cfg, model, self.tokenizer, slots=slots, max_len=max_len,
                                    sampling=rollout_cfg.sampling, mesh=self.placement.engine_mesh)
         self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
@@ -330,7 +331,7 @@ class Trainer:
             acc["dropped_all_correct"] += ds.dropped_all_correct
             acc["dropped_all_wrong"] += ds.dropped_all_wrong
             acc["dropped_other"] += ds.dropped_other_constant
-            groups = [g for g, k in zip(groups, dynamic_sampling_keep(group_rewards)) if k]
+            groups = [g for g, k in zip(groups, ds.keep) if k]
         self.ready_groups += groups
 
     def train_samples(self, groups: list[list[Sample]]) -> list[TrainSample]:
