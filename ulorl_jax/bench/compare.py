@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (learner and decode; default 16)")
     g.add_argument("--decode-batch", type=int, default=4, help="decode prompts = engine slots (default 4)")
     g.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per prompt (default 32)")
+    g.add_argument("--logprob-chunk", type=int, default=1024,
+                   help="JAX learner's log-prob / entropy chunk in positions, at most the row length (default "
+                        "1024, trainer.logprob_chunk's default; torch's step computes a row's logits at once)")
     g.add_argument("--iters", type=int, default=3, help="timed repetitions; median reported (default 3)")
     g.add_argument("--torch-compile", choices=["off", "learner", "all"], default="learner",
                    help="torch.compile the learner model (default), also the decode forward (all), or neither")
@@ -69,7 +72,7 @@ def settings(args) -> dict:
 def run(args) -> dict:
     s = settings(args)
     for k in ("hidden_size", "layers", "experts", "top_k", "vocab", "samples", "seq_len", "prompt_len",
-              "decode_batch", "new_tokens", "iters", "moe_intermediate_size"):
+              "decode_batch", "new_tokens", "iters", "moe_intermediate_size", "logprob_chunk"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
     if s["prompt_len"] >= s["seq_len"]:
@@ -109,7 +112,8 @@ def run(args) -> dict:
               "model": {"model_type": "qwen3_moe", "params": int(sum(p.numel() for p in torch_model.parameters()))}}
 
     # -- learner step -------------------------------------------------------------------
-    lconf = LearnerConfig(lr=1e-6, row_len=s["seq_len"], micro_batch_rows=1, logprob_chunk=s["seq_len"],
+    lconf = LearnerConfig(lr=1e-6, row_len=s["seq_len"], micro_batch_rows=1,
+                          logprob_chunk=min(s["logprob_chunk"], s["seq_len"]),
                           remat="full", mask_mode="dmmpt")
     learner = Learner(jax_model, lconf)
     samples = bl.make_samples(ls, np)
