@@ -14,6 +14,9 @@ appears once per compilation, not once per step.
 ``decode`` does the same for one query token per sequence against a KV
 cache: "pallas" is ``decode_attention`` (split-KV) on CPU / GPU; on TPU there
 is no decode kernel yet and it falls back to "xla" with a logged reason.
+``paged_decode`` is the same over a paged KV cache (pages of one shared pool,
+a page table per slot): "pallas" is ``paged_decode_attention``, "xla"
+``paged_decode_attention_reference`` (gathers the pages into a dense cache).
 
 ``gmm`` does the same for the MoE grouped matmul: "pallas" is
 ``grouped_matmul`` on CPU / GPU and megablox ``gmm`` on TPU; "ragged" is
@@ -41,9 +44,14 @@ from . import platform, sharded, tpu
 from .decode_attention import decode_attention
 from .flash_attention import SUPPORTED_DTYPES, flash_attention
 from .grouped_matmul import grouped_matmul
-from .reference import decode_attention_reference, mha_reference
+from .paged_decode_attention import paged_decode_attention
+from .reference import (
+    decode_attention_reference,
+    mha_reference,
+    paged_decode_attention_reference,
+)
 
-__all__ = ["attention", "IMPLS", "decode", "gmm", "GMM_IMPLS"]
+__all__ = ["attention", "IMPLS", "decode", "paged_decode", "gmm", "GMM_IMPLS"]
 
 IMPLS = ("pallas", "xla", "cudnn")
 GMM_IMPLS = ("pallas", "ragged")
@@ -225,4 +233,45 @@ def decode(
         return sharded.shard_decode_attention(kernel, q, k_cache, v_cache, lengths, q_segment_ids,
                                               kv_segment_ids, mesh=mesh)
     _fallback(impl, reason, what="decode attention")
+    return xla()
+
+
+def paged_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    impl: str = "pallas",
+) -> jax.Array:
+    """One query token per slot against a paged KV cache (see ``paged_decode_attention``).
+
+    q [B, Hq, D]; pools [P, page_size, Hkv, D]; page_table [B, W]; lengths [B] -> [B, Hq, D].
+    impl "pallas" or "xla". Under a mesh the pools are split over kv heads only (replicated over the
+    slot axes), q / page_table / lengths over the slot axes.
+    """
+    if impl not in ("pallas", "xla"):
+        raise ValueError(f"unknown paged decode attention impl {impl!r}; allowed: ('pallas', 'xla')")
+    xla = lambda: paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths)  # noqa: E731
+    if impl == "xla":
+        return xla()
+    backend = platform.backend()
+    if backend not in ("cpu", "gpu"):
+        reason = (f"no Pallas paged decode attention kernel for backend {backend!r} "
+                  "(GPU/Triton and CPU interpret only)")
+    elif not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        reason = f"kernel needs one dtype in f32/bf16/f16, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+    elif (k_pages.shape != v_pages.shape or k_pages.shape[3] != q.shape[2]
+          or page_table.shape[0] != q.shape[0] or lengths.shape != q.shape[:1]):
+        reason = (f"kernel needs k_pages.shape == v_pages.shape, matching head_dim and one page-table row and "
+                  f"length per slot: q {q.shape}, pages {k_pages.shape}, table {page_table.shape}, "
+                  f"lengths {lengths.shape}")
+    else:
+        mesh = context_mesh()  # as for decode(): split the custom call by slot and head
+        if mesh is None:
+            return paged_decode_attention(q, k_pages, v_pages, page_table, lengths)
+        return sharded.shard_paged_decode_attention(paged_decode_attention, q, k_pages, v_pages, page_table,
+                                                    lengths, mesh=mesh)
+    _fallback(impl, reason, what="paged decode attention")
     return xla()

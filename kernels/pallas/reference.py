@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["mha_reference", "decode_attention_reference"]
+__all__ = ["mha_reference", "decode_attention_reference", "paged_decode_attention_reference"]
 
 
 def _masked_softmax_attend(
@@ -141,3 +141,43 @@ def decode_attention_reference(
     mask = valid[:, None, None, None, :]
     o = _masked_softmax_attend(s, mask, v_cache, q.dtype)  # [B, 1, Hkv, G, D]
     return o.reshape(b, hq, d)
+
+
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """``decode_attention_reference`` on a paged KV cache.
+
+    Args:
+      q: [B, Hq, D], the current token's queries.
+      k_pages, v_pages: [P, page_size, Hkv, D], the pool every slot's pages
+        live in: slot b's position p is row p % page_size of page
+        page_table[b, p // page_size].
+      page_table: [B, W] int page ids. Entries past a slot's length may hold
+        anything (e.g. P, "no page"): ids are clamped into [0, P) and the
+        positions they hold are masked by the length, as are the rows of a
+        slot's last page past its length.
+      lengths: [B] int; the query attends to positions 0 .. lengths[b] - 1.
+      sm_scale: logit scale, default 1 / sqrt(D).
+
+    Returns:
+      [B, Hq, D] in q.dtype.
+    """
+    n_pages, page_size, hkv, d = k_pages.shape
+    b, width = page_table.shape
+    ids = jnp.clip(page_table, 0, n_pages - 1)  # [B, W]
+    # Positions past the length hold whatever the pages do (even NaN): zero
+    # them, as 0 * NaN in p @ v would otherwise leak through the mask.
+    valid = jnp.arange(width * page_size)[None, :] < jnp.asarray(lengths)[:, None]  # [B, W * page]
+    valid = valid[:, :, None, None]
+
+    def dense(pages):  # [B, W, page, Hkv, D] -> [B, W * page, Hkv, D]
+        return jnp.where(valid, pages[ids].reshape(b, width * page_size, hkv, d), 0)
+
+    return decode_attention_reference(q, dense(k_pages), dense(v_pages), lengths, sm_scale=sm_scale)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MeshError, axis_size, batch_axes_for
 
-__all__ = ["batch_axes_for", "shard_attention", "shard_decode_attention"]
+__all__ = ["batch_axes_for", "shard_attention", "shard_decode_attention", "shard_paged_decode_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,3 +105,20 @@ def shard_decode_attention(kernel: DecodeKernel, q: jax.Array, k_cache: jax.Arra
     out = P(rows, heads, None)
     return jax.shard_map(body, mesh=mesh, in_specs=(out, cache, cache, per_slot, *(s for _, s in optional)),
                          out_specs=out, check_vma=False)(q, k_cache, v_cache, lengths, *(x for x, _ in optional))
+
+
+# paged_kernel(q [B, Hq, D], k / v pages [P, page_size, Hkv, D], page_table [B, W], lengths [B]) -> [B, Hq, D]
+PagedDecodeKernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def shard_paged_decode_attention(kernel: PagedDecodeKernel, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                 page_table: jax.Array, lengths: jax.Array, *, mesh) -> jax.Array:
+    """The paged decode kernel on `mesh`, one call per (slot, head) block: q, page_table and lengths split
+    by slot over the BATCH_AXES that divide them, heads over the head axes. The pools are split over kv
+    heads only: any slot may own any page, so every device of a head shard keeps that shard's whole pool
+    (the page ids stay global; nothing is renumbered)."""
+    rows = batch_axes_for(q.shape[0], mesh) or None
+    heads = _head_axes(q.shape[1], k_pages.shape[2], mesh)
+    out, pool = P(rows, heads, None), P(None, None, heads, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(out, pool, pool, P(rows, None), P(rows)),
+                         out_specs=out, check_vma=False)(q, k_pages, v_pages, page_table, lengths)

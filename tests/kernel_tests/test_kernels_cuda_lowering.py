@@ -39,11 +39,17 @@ try:  # the hook where Pallas builds each Triton module (jax internals, checked 
 except ImportError:  # pragma: no cover - depends on the jax version
     _triton_registration = None
 
-from ulorl_jax.kernels import decode_attention, flash_attention, grouped_matmul
+from ulorl_jax.kernels import (
+    decode_attention,
+    flash_attention,
+    grouped_matmul,
+    paged_decode_attention,
+)
 from ulorl_jax.kernels.decode_attention import default_decode_params
 from ulorl_jax.kernels.flash_attention import default_block_sizes
 from ulorl_jax.kernels.gpu_target import abstract_gpu_mesh
 from ulorl_jax.kernels.grouped_matmul import default_gmm_block_sizes
+from ulorl_jax.kernels.paged_decode_attention import default_paged_decode_params
 
 TRITON = "__gpu$xla.gpu.triton"
 
@@ -117,6 +123,17 @@ def test_decode_attention_lowers_to_triton():
     module = _cuda_module(fn, _spec((b, hq, d)), _spec((b, s, hkv, d)), _spec((b, s, hkv, d)),
                           _spec((b,), jnp.int32))
     assert _triton_kernels(module), "no Triton kernel in the decode attention lowering"
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_decode_attention_lowers_to_triton(page_size):
+    params = default_paged_decode_params("gpu")
+    # Pool and table width not powers of two; table width not a multiple of num_splits; GQA 4.
+    b, hq, hkv, d, pages, width = 2, 8, 2, 128, 37, 13
+    pool = _spec((pages, page_size, hkv, d))
+    fn = lambda q, k, v, t, n: paged_decode_attention(q, k, v, t, n, interpret=False, **params)  # noqa: E731
+    module = _cuda_module(fn, _spec((b, hq, d)), pool, pool, _spec((b, width), jnp.int32), _spec((b,), jnp.int32))
+    assert _triton_kernels(module) == {"paged_decode_attention_split_kv"}, "the paged kernel did not lower to Triton"
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
