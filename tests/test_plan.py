@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,75 @@ def test_decode_state_bytes_follow_the_engine_layout(mesh_shape):
     per_device = sum(max(s.data.nbytes for s in x.addressable_shards) for x in jax.tree.leaves(state))
     whole = sum(x.nbytes for x in jax.tree.leaves(state))
     assert planned["decode_state_bytes"] == per_device < whole
+
+
+def test_decode_concurrency_follows_the_plans_memory():
+    """The KV budget is what the compiled plan leaves (capacity - learner params and AdamW - the decode
+    step's working set); dense and paged in flight follow from it; the KV bytes per position assumed are
+    those of the engine's own decode state on the same mesh."""
+    from ulorl_jax.bench.kv_concurrency import DEFAULT_PAGE_SIZE, kv_bytes_per_token
+    from ulorl_jax.plan import plan
+
+    cfg = load_config("tiny_cpu", TINY)
+    r = plan(cfg, 8, device_memory_gb=0.05, layers="full")
+    c, t, d = r["decode_concurrency"], r["train"], r["decode"]
+    working = d["temp_bytes"] + max(d["output_bytes"] - d["alias_bytes"], 0)
+    assert c["decode_working_bytes"] == working > 0
+    assert c["kv_budget_bytes"] == int(0.05e9) - t["param_bytes"] - t["optimizer_bytes"] - working > 0
+    per_token = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x float32
+    assert c["kv_bytes_per_token"] == per_token == kv_bytes_per_token(cfg.model.model_config())
+    assert c["max_len"] == d["cache_len"] == 16 + 48 and c["prompt_len"] == 16
+    assert c["dense"] == c["kv_budget_bytes"] // (64 * per_token)
+    assert c["page_size"] == (getattr(cfg.rollout, "page_size", None) or DEFAULT_PAGE_SIZE)
+    assert c["paged"] == int(c["kv_budget_bytes"] // (c["page_size"] * per_token) // c["in_flight_pages"])
+    assert c["dense_total"] == 8 * c["dense"] and c["paged_total"] == 8 * c["paged"]
+    # One slot per device: the engine's decode state per device is that slot's KV (+ segment ids etc.).
+    kv = d["slots"] // 8 * d["cache_len"] * per_token
+    assert kv <= d["decode_state_bytes"] <= 1.05 * kv
+
+
+def test_decode_concurrency_kv_heads_split_over_tensor():
+    """mesh.tensor=2: the engine splits the 2 KV heads over it, so a position costs half on each device."""
+    from ulorl_jax.plan import plan
+
+    cfg = load_config("tiny_cpu", TINY + ["mesh.tensor=2"])
+    r = plan(cfg, 8, device_memory_gb=0.05, compile=False, page_size=8)
+    c, d = r["decode_concurrency"], r["decode"]
+    assert c["kv_head_shards"] == 2 and c["kv_bytes_per_token"] == 3 * 2 * 2 * 16 * 4 // 2
+    assert c["decode_working_bytes"] is None  # lowered only: not counted
+    assert c["kv_budget_bytes"] == int(0.05e9) - r["train"]["param_bytes"] - r["train"]["optimizer_bytes"]
+    assert c["page_size"] == 8 and c["paged"] >= c["dense"] > 0
+    kv = d["slots"] // 4 * d["cache_len"] * c["kv_bytes_per_token"]  # slots over data x fsdp x expert = 4
+    assert kv <= d["decode_state_bytes"] <= 1.1 * kv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [8, 16, 64])
+def test_full_size_plan_prints_decode_concurrency(devices):
+    """`ulorl plan` for Qwen3-30B-A3B at 128k on 8 / 16 / 64 H200s (141 GB): the decode-concurrency lines,
+    their figures equal to the JSON's and to the hand formula. Lowered only (seconds, not the minutes of a
+    full compile), so the KV memory is capacity - sharded params - AdamW moments."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-m", "ulorl_jax.cli", "plan", "--config", "qwen3_30b_a3b_128k",
+                          "--devices", str(devices), "--lower-only", "--page-size", "256", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    c, t = r["decode_concurrency"], r["train"]
+    assert r["devices"] == devices and r["device_memory_gb"] == 141.0
+    line = re.search(r"^decode concurrency, samples in flight per device: dense (\d+), paged (\d+) \(.*page 256\); "
+                     r"all (\d+) devices: dense (\d+), paged (\d+);", out.stdout, re.M)
+    assert line, out.stdout
+    dense, paged = int(line[1]), int(line[2])
+    assert (dense, paged, int(line[3])) == (c["dense"], c["paged"], devices)
+    assert (int(line[4]), int(line[5])) == (devices * dense, devices * paged)
+    budget = int(141e9 - t["param_bytes"] - t["optimizer_bytes"])
+    assert c["kv_budget_bytes"] == budget
+    assert c["kv_bytes_per_token"] == 48 * 2 * 4 * 128 * 2 and c["max_len"] == 2048 + 131072
+    assert dense == budget // ((2048 + 131072) * 98304) >= 1
+    assert paged == int(budget // (256 * 98304) // c["in_flight_pages"])
+    assert paged > 2 * dense  # the long tail: a sample in flight holds ~39k of its 133k positions
+    for text in ("KV memory", "learner params + AdamW moments", "98,304 B per position", "positions = ",
+                 "lengths: 80% uniform in [1, 65536]"):
+        assert text in out.stdout, text

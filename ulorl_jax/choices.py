@@ -17,6 +17,8 @@ EXTRACTIONS = ("boxed", "math_verify")
 ROLLOUT_BACKENDS = ("engine", "jetstream")
 # where the rollout decodes (decode/placement.py)
 DECODE_MESHES = ("auto", "learner", "replicate", "shard", "first_device")
+# the decode engine's KV cache (decode/cache_layout.py): shared pages, or one max-length row per slot
+KV_CACHES = ("paged", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 ON_BAD_ROW = ("skip", "error")
 ON_SAVE_ERROR = ("stop", "continue")

@@ -137,10 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ulorl_jax.bench import learner as bench_learner
 
     bench_learner.add_parser(bench_sub)
-    from ulorl_jax.bench import compare as bench_compare, segments as bench_segments
+    from ulorl_jax.bench import compare as bench_compare, kv as bench_kv, segments as bench_segments
     from ulorl_jax import plan
 
-    bench_segments.add_parser(bench_sub), bench_compare.add_parser(bench_sub), plan.add_parser(sub)
+    bench_segments.add_parser(bench_sub), bench_compare.add_parser(bench_sub), bench_kv.add_parser(bench_sub)
+    plan.add_parser(sub)
     return parser
 
 

@@ -136,6 +136,12 @@ class RolloutOptions:
     # several, every local device (replicate: whole weights on each; shard: weights split, for a model that
     # does not fit one device) | learner | replicate | shard | first_device
     decode_mesh: str = "auto"
+    # the engine's KV cache (decode/cache_layout.py): paged = pages of page_size positions from a pool of
+    # kv_pages (null: as many as the dense cache's memory, max_concurrent_decodes x max length), handed to
+    # samples as they grow, so short samples leave room for more in flight; dense = one max-length row per slot
+    kv_cache: str = "paged"
+    page_size: int = 64
+    kv_pages: int | None = None
 
     @property
     def segment_len(self) -> int:

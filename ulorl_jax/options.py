@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.on_bad_row": choices.ON_BAD_ROW,
     "rollout.backend": choices.ROLLOUT_BACKENDS,
     "rollout.decode_mesh": choices.DECODE_MESHES,
+    "rollout.kv_cache": choices.KV_CACHES,
     "algorithm.is_mode": choices.IS_MODES,
     "algorithm.mask_mode": choices.MASK_MODES,
     "algorithm.entropy_mode": choices.ENTROPY_MODES,
@@ -74,6 +75,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.row_len": _optional(_at_least(2), "null (max_prompt_len + global_max_len)"),
     "trainer.logprob_chunk": _COUNT,
     "rollout.temperature": _at_least(0, " (0 = greedy)"),
+    "rollout.page_size": _COUNT,
+    "rollout.kv_pages": _optional(_COUNT, "null (the dense cache's memory)"),
 }
 
 

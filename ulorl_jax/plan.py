@@ -31,6 +31,12 @@ config asks for `pallas` or `cudnn`, since both are O(T) on a GPU while the
 `xla` reference materialises [T, T] scores; XLA's FLOP count does not multiply
 while-loop bodies by their trip count (flash attention, the log-prob chunk
 scan), so FLOPs are also given from the analytic formula.
+
+Decode concurrency (`decode_concurrency_plan`, arithmetic in bench/kv_concurrency.py): samples in flight per
+device with the dense KV cache (a slot reserves prompt + global_max_len positions) and the paged one (a
+pool of `--page-size` pages; a sample in flight holds its prompt + what it has decoded so far, averaged
+over the long-tailed lengths), from the device memory the rollout leaves for KV: capacity - the learner's
+params and AdamW moments - the compiled decode step's working set. Every assumption is printed with it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import os
 import sys
 import time
 from typing import Any
+
+from ulorl_jax.bench.kv_concurrency import DEFAULT_PAGE_SIZE
 
 GIB = 2**30
 
@@ -61,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="decode slots (concurrent sequences) of the engine (default: one per data shard)")
     parser.add_argument("--decode-cache-len", type=int, default=None,
                         help="KV cache length per slot (default max_prompt_len + global_max_len)")
+    parser.add_argument("--page-size", type=int, default=None,
+                        help="positions per page of the paged KV cache, for the decode concurrency figures "
+                             f"(default rollout.page_size, else {DEFAULT_PAGE_SIZE})")
     parser.add_argument("--skip-decode", action="store_true", help="plan the train step only")
     parser.add_argument("--lower-only", action="store_true",
                         help="lower without compiling (seconds): checks shapes / shardings and reports the "
@@ -143,9 +154,15 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
     params and optimizer state from their shardings."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from ulorl_jax.rl.learner import MICRO_KEYS, optimizer_shardings, build_train_step, make_optimizer
+    from ulorl_jax.rl.learner import (
+        MICRO_KEYS,
+        build_train_step,
+        make_optimizer,
+        optimizer_shardings,
+    )
     from ulorl_jax.sharding import BATCH_AXES, mesh_context, param_shardings
 
     graphdef, params, other, _ = abstract_model(model_config)
@@ -231,11 +248,11 @@ def _parse_layers(text: str, full: int) -> tuple[int, ...]:
 
 def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None, decode_slots: int | None = None,
          decode_cache_len: int | None = None, device_memory_gb: float = 141.0, skip_decode: bool = False,
-         config_name: str = "", compile: bool = True) -> dict:
+         config_name: str = "", compile: bool = True, page_size: int | None = None) -> dict:
     import jax
 
-    from ulorl_jax.models.shape import ModelShape
     from ulorl_jax.models.layer_scan import unscannable
+    from ulorl_jax.models.shape import ModelShape
     from ulorl_jax.rl.build import learner_config
     from ulorl_jax.sharding import BATCH_AXES, axis_size, make_mesh
 
@@ -294,6 +311,9 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
     }
     if decode is not None:
         result["decode_compiled_layers"] = list(decode_counts)
+        result["decode_concurrency"] = decode_concurrency_plan(
+            cfg, mc, mesh, train, decode if compile else None, capacity=capacity, cache_len=cache_len,
+            slots=slots, page_size=page_size)
     if not compile:  # lowered only: the sharded state bytes are the memory figure (a lower bound)
         result["compiled"] = False
         result["train"]["fits"] = train["param_bytes"] + train["optimizer_bytes"] <= capacity
@@ -313,6 +333,86 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
                             "fits": decode["peak_bytes"] <= capacity}
     result["fits"] = result["train"]["fits"] and (decode is None or result["decode"]["fits"])
     return result
+
+
+def kv_head_shards(model_config, mesh) -> int:
+    """How many ways the engine splits a sample's KV heads on `mesh`: the kv_heads rule's axes when they
+    divide the KV heads, else 1 (as `decode/cache_layout.cache_specs` lays the cache out)."""
+    from ulorl_jax.sharding import DEFAULT_PARAM_RULES, axis_size
+
+    shards = axis_size(mesh, DEFAULT_PARAM_RULES["kv_heads"])
+    return shards if model_config.num_key_value_heads % shards == 0 else 1
+
+
+def decode_concurrency_plan(cfg, model_config, mesh, train: dict, decode: dict | None, *, capacity: float,
+                            cache_len: int, slots: int, page_size: int | None = None) -> dict:
+    """Samples in flight per device during the rollout, dense vs paged KV cache (kv_concurrency.py).
+
+    KV memory per device = capacity - what stays on the device through the rollout: the learner's params
+    and AdamW moments (the engine decodes from the learner's params: decode_mesh learner, the layout this
+    plan compiles) - the decode step's working set as compiled (temporaries + outputs not aliased to its
+    donated state; `decode` None: lowered only, not counted). The paged figure uses the config's prompt
+    length (data.max_prompt_len, every prompt taken at the maximum, no prompt pages shared in a group) and
+    the long-tailed lengths of `bench.segment_cost.LengthDistribution` over rollout.global_max_len."""
+    from ulorl_jax.bench.segment_cost import LengthDistribution
+    from ulorl_jax.bench.kv_concurrency import (
+        decode_concurrency,
+        kv_bytes_per_token,
+        rollout_batch,
+    )
+
+    r = cfg.rollout
+    if page_size is None:  # rollout.page_size arrives with the paged engine; before it, the default
+        page_size = getattr(r, "page_size", None) or DEFAULT_PAGE_SIZE
+    mc = model_config
+    heads = kv_head_shards(mc, mesh)
+    per_token = kv_bytes_per_token(mc, heads)
+    itemsize = kv_bytes_per_token(mc) // (2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim)
+    resident = train["param_bytes"] + train["optimizer_bytes"]
+    working = None
+    if decode is not None:
+        working = decode["temp_bytes"] + max(decode["output_bytes"] - decode["alias_bytes"], 0)
+    prompt_len = cfg.data.max_prompt_len or 0
+    # A sample ends by global_max_len, or where a dense slot of `cache_len` (--decode-cache-len) runs out.
+    lengths = LengthDistribution(max(2, min(r.global_max_len, cache_len - prompt_len)))
+    c = decode_concurrency(int(capacity - resident - (working or 0)), per_token, max_len=cache_len,
+                           prompt_len=prompt_len, lengths=lengths, page_size=page_size)
+    batch = rollout_batch(lengths.scaled(r.global_max_len), num_segments=r.num_segments,
+                          prompts_per_step=cfg.trainer.train_batch_size, samples_per_prompt=r.n)
+    devices = mesh.size
+    return {**c.as_dict(), "capacity_bytes": int(capacity), "resident_bytes": int(resident),
+            "decode_working_bytes": working, "decode_working_slots": slots, "kv_head_shards": heads,
+            "kv_heads": mc.num_key_value_heads, "head_dim": mc.head_dim, "kv_itemsize": itemsize,
+            "lengths": lengths.describe(), "lengths_body": lengths.body, "lengths_truncated": lengths.truncated,
+            "response_max_len": lengths.global_max_len, "num_segments": r.num_segments,
+            "new_samples_per_step": cfg.trainer.train_batch_size * r.n,
+            "rollout_batch": batch, "rollout_batch_per_device": batch / devices,
+            "dense_total": c.dense * devices, "paged_total": c.paged * devices}
+
+
+def format_concurrency(r: dict) -> list[str]:
+    """The decode-concurrency lines of the table (`decode_concurrency_plan`'s figures)."""
+    c, m = r["decode_concurrency"], r["model"]
+    gb, devices = 1e9, r["devices"]
+    ratio = f"{c['paged'] / c['dense']:.1f}x" if c["dense"] else "dense: none"
+    working = ("not counted (lowered only)" if c["decode_working_bytes"] is None else
+               f"{c['decode_working_bytes'] / gb:.2f} GB decode step working set ({c['decode_working_slots']} slots)")
+    slot_bytes = c["max_len"] * c["kv_bytes_per_token"]
+    return [
+        f"decode concurrency, samples in flight per device: dense {c['dense']}, paged {c['paged']} ({ratio}, "
+        f"page {c['page_size']}); all {devices} devices: dense {c['dense_total']}, paged {c['paged_total']}; "
+        f"a step decodes ~{c['rollout_batch']:.0f} samples ({c['new_samples_per_step']} new + the unfinished pool "
+        f"of {c['num_segments']} segments; {c['rollout_batch_per_device']:.1f}/device)",
+        f"  KV memory {c['kv_budget_bytes'] / gb:.2f} GB/device = {c['capacity_bytes'] / gb:g} capacity - "
+        f"{c['resident_bytes'] / gb:.2f} learner params + AdamW moments (resident through the rollout; the engine "
+        f"decodes from these params) - {working}",
+        f"  KV {c['kv_bytes_per_token']:,} B per position on the device holding the sample = {m['layers']} layers "
+        f"x K,V x {c['kv_heads']} kv heads / {c['kv_head_shards']} x {c['head_dim']} x {c['kv_itemsize']} B "
+        f"({m['dtype']}); dense slot: {c['max_len']:,} positions = {slot_bytes / gb:.2f} GB",
+        f"  paged: pool of {c['pool_pages']:,} pages x {c['page_size']}; a sample in flight holds on average "
+        f"{c['in_flight_tokens']:,.0f} positions = {c['in_flight_pages']:.1f} pages (prompt {c['prompt_len']:,} + "
+        f"E[L(L+1)/2]/E[L] decoded, E[L] = {c['mean_response_len']:,.0f}); lengths: {c['lengths']}",
+    ]
 
 
 def _layers_line(step: str, counts: list[int], full: int, scanned: bool) -> str:
@@ -358,6 +458,8 @@ def format_table(r: dict) -> str:
               + (f", decode {r['decode']['xla_flops'] / 1e12:.3f}" if "decode" in r else ""),
               f"compile time {t['compile_s'] + r.get('decode', {}).get('compile_s', 0):.0f}s; "
               f"fits: {'yes' if r['fits'] else 'NO'}"]
+    if "decode_concurrency" in r:
+        lines += format_concurrency(r)
     return "\n".join(lines)
 
 
@@ -372,6 +474,8 @@ def format_lowered(r: dict) -> str:
         d = r["decode"]
         lines.append(f"decode: params {d['param_bytes'] / 1e9:.2f} GB + decode state {d['decode_state_bytes'] / 1e9:.2f}"
                      f" GB per device ({d['slots']} slots x {d['cache_len']}); fits: {'yes' if d['fits'] else 'NO'}")
+    if "decode_concurrency" in r:
+        lines += format_concurrency(r)
     return "\n".join(lines)
 
 
@@ -384,7 +488,8 @@ def _cli(args) -> int:
     cfg = load_config(args.config, args.overrides)
     result = plan(cfg, args.devices, layers=args.layers, seq_len=args.seq_len, decode_slots=args.decode_slots,
                   decode_cache_len=args.decode_cache_len, device_memory_gb=args.device_memory_gb,
-                  skip_decode=args.skip_decode, config_name=args.config, compile=not args.lower_only)
+                  skip_decode=args.skip_decode, config_name=args.config, compile=not args.lower_only,
+                  page_size=args.page_size)
     print(format_table(result) if result["compiled"] else format_lowered(result))
     if args.json:
         print(json.dumps(result))

@@ -45,12 +45,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from ulorl_jax.choices import KV_CACHES
 from ulorl_jax.decode import cache_layout
+from ulorl_jax.decode.page_pool import PagePool, pages_for
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
 from ulorl_jax.models.qwen3 import KVCache, Qwen3ForCausalLM
-from ulorl_jax.sharding import MESH_AXES, axis_size, batch_axes_for, context_mesh, mesh_context
+from ulorl_jax.sharding import (
+    MESH_AXES,
+    axis_size,
+    batch_axes_for,
+    context_mesh,
+    mesh_context,
+)
 
 # --------------------------------------------------------------------------------------
 # JetStream-shaped result containers (same fields / methods as jetstream's engine_api).
@@ -120,6 +129,19 @@ class DecodeState(NamedTuple):
     sampling_logprobs: jnp.ndarray  # [B] f32
 
 
+class Resume(NamedTuple):
+    """Per batched-prefill entry [R, F]: where `flag` is set, the entry continues a preempted sample (its
+    row is the prompt plus every generated token but the last) instead of sampling a first token: it
+    takes back its last token, log-probs, count of generated tokens and RNG key (passed as the entry's
+    key), so it goes on exactly where it stopped."""
+
+    flag: jnp.ndarray  # bool
+    token: jnp.ndarray  # int32
+    length: jnp.ndarray  # int32: tokens generated so far
+    logprob: jnp.ndarray  # f32
+    sampling_logprob: jnp.ndarray  # f32
+
+
 class StepsOutput(NamedTuple):
     tokens: jnp.ndarray  # [B, N] int32
     logprobs: jnp.ndarray  # [B, N] f32
@@ -136,6 +158,11 @@ def _as_raw_key(key) -> jnp.ndarray:
     return key.astype(jnp.uint32)
 
 
+DEFAULT_PAGE_SIZE = 64  # positions per KV page (paged cache)
+# Paged cache: a request is admitted only if the samples in flight keep pages to grow into for this many
+# decode calls (bench kv, 16 slots: 49 preemptions with none kept, 8 with 4 calls, 2 with 16 calls but
+# fewer samples in flight).
+ADMIT_LOOKAHEAD_CALLS = 4
 DEFAULT_PREFILL_TOKEN_BUDGET = 4096  # padded tokens per batched prefill call (see PolicyEngine.prefill_many)
 # A prefill call's fixed cost in padded tokens (plan_prefill): dispatch, and reading every weight once,
 # which for bf16 weights costs about as long as computing a ridge-point's worth of tokens (~200 on an
@@ -190,12 +217,13 @@ def _prefill_impl(graphdef, rest, params, tokens, true_length, cache, key, budge
     return Prefix(cache, tok[0], lp[0], slp[0], key, budget, done)
 
 
-def _prefill_rows_impl(graphdef, rest, params, state: DecodeState, tokens, lengths, slots, keys, budgets, *,
-                       sampling, eos_ids):
+def _prefill_rows_impl(graphdef, rest, params, state: DecodeState, tokens, lengths, slots, keys, budgets,
+                       resume: Resume, *, sampling, eos_ids):
     """Batched prefill + insert in one call. tokens [R, L] (right-padded), lengths [R]; every row is a
     distinct prompt and feeds up to F slots (a group's samples share one prefill): slots [R, F] (>= B:
     unused), keys [R, F, 2], budgets [R, F]. Each entry samples its first token from its row's last
-    logits with its own key, exactly as `_prefill_impl` does for one request.
+    logits with its own key, exactly as `_prefill_impl` does for one request, unless `resume` says it
+    continues a preempted sample.
     Returns (state, (tokens, logprobs, sampling_logprobs, done), each [R, F])."""
     model = nnx.merge(graphdef, params, rest)
     r, length = tokens.shape
@@ -210,12 +238,19 @@ def _prefill_rows_impl(graphdef, rest, params, state: DecodeState, tokens, lengt
     flat = slots.reshape(-1)
     budget = budgets.reshape(-1)
     done = _eos_hit(tok, eos_ids) | (budget <= 1)
+    again = resume.flag.reshape(-1)
+    tok = jnp.where(again, resume.token.reshape(-1), tok)
+    lp = jnp.where(again, resume.logprob.reshape(-1), lp)
+    slp = jnp.where(again, resume.sampling_logprob.reshape(-1), slp)
+    done = done & ~again
+    generated = jnp.where(again, resume.length.reshape(-1), 1)
+    next_keys = jnp.where(again[:, None], keys.reshape(r * f, 2), split[:, 0])
     cache = state.cache
     for j in range(f):  # F scatters of the rows' size; unused entries (slot >= B) drop
         cache = cache_layout.insert_rows(cache, rows, slots[:, j])
     put = lambda a, v: a.at[flat].set(v.astype(a.dtype), mode="drop")  # noqa: E731
-    new = DecodeState(cache=cache, tokens=put(state.tokens, tok), keys=put(state.keys, split[:, 0]),
-                      lengths=put(state.lengths, jnp.ones_like(tok)), budget=put(state.budget, budget),
+    new = DecodeState(cache=cache, tokens=put(state.tokens, tok), keys=put(state.keys, next_keys),
+                      lengths=put(state.lengths, generated), budget=put(state.budget, budget),
                       done=put(state.done, done), logprobs=put(state.logprobs, lp),
                       sampling_logprobs=put(state.sampling_logprobs, slp))
     shape = slots.shape
@@ -327,6 +362,15 @@ class RunStats:
     slot_steps_used: int = 0  # sum over decode steps of generating slots
     slot_steps_total: int = 0  # decode steps x slots
     decode_devices: int = 0  # devices that held distinct slots of the decode state
+    decode_steps: int = 0  # decode steps run (calls x steps per call)
+    preemptions: int = 0  # samples preempted for want of KV pages (paged cache)
+    kv_pages: int = 0  # the paged cache's pool (0: dense cache)
+    peak_pages: int = 0  # most pages in use at once
+
+    @property
+    def in_flight(self) -> float:
+        """Mean samples decoding per decode step."""
+        return self.slot_steps_used / self.decode_steps if self.decode_steps else 0.0
 
     @property
     def slot_occupancy(self) -> float:
@@ -344,12 +388,16 @@ class PolicyEngine:
                  max_cache_len: int, prefill_buckets: Sequence[int] | None = None,
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None,
-                 prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET):
+                 prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET, kv_cache: str = "dense",
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
         for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
                         ("max_prefill_length", max_prefill_length), ("max_cache_len", max_cache_len),
-                        ("prefill_token_budget", prefill_token_budget)):
+                        ("prefill_token_budget", prefill_token_budget), ("page_size", page_size),
+                        ("num_pages", 1 if num_pages is None else num_pages)):
             if int(v) != v or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache={kv_cache!r}: expected one of {KV_CACHES}")
         if max_prefill_length > max_cache_len:
             raise ValueError(f"max_prefill_length={max_prefill_length} > max_cache_len={max_cache_len}")
         buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else \
@@ -373,6 +421,12 @@ class PolicyEngine:
         self._mesh = mesh
         self._tokenizer = tokenizer
         self.prefill_token_budget = int(prefill_token_budget)
+        self.kv_cache = kv_cache
+        self.page_size = int(page_size)
+        self.max_pages_per_slot = -(-self.max_cache_len // self.page_size)
+        # Default pool: the dense cache's memory (every slot can reach max_cache_len at once, nothing is
+        # ever preempted); fewer pages, or more slots, trade that guarantee for samples in flight.
+        self.num_pages = int(num_pages) if num_pages is not None else self._slots * self.max_pages_per_slot
         self._prefill_calls = 0
         g, r = self._graphdef, self._rest
         # Under a mesh of several devices, trace everything under it (see module doc).
@@ -385,9 +439,9 @@ class PolicyEngine:
                                                          eos_ids=eos_ids)),
                                     static_argnames=("sampling", "eos_ids"))
         self._insert_jit = jax.jit(traced(_insert_impl), donate_argnums=(1,))
-        self._prefill_rows_jit = jax.jit(traced(lambda p, s, t, n, sl, k, b, *, sampling, eos_ids:
-                                                _prefill_rows_impl(g, r, p, s, t, n, sl, k, b, sampling=sampling,
-                                                                   eos_ids=eos_ids)),
+        self._prefill_rows_jit = jax.jit(traced(lambda p, s, t, n, sl, k, b, res, *, sampling, eos_ids:
+                                                _prefill_rows_impl(g, r, p, s, t, n, sl, k, b, res,
+                                                                   sampling=sampling, eos_ids=eos_ids)),
                                          static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
         self._generate_jit = jax.jit(traced(lambda p, s, *, sampling, eos_ids:
                                             _generate_impl(g, r, p, s, sampling=sampling, eos_ids=eos_ids)),
@@ -441,10 +495,16 @@ class PolicyEngine:
         """The model's parameter pytree. Any pytree of the same structure / shardings may be passed later."""
         return self._params
 
+    @property
+    def paged(self) -> bool:
+        return self.kv_cache == "paged"
+
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         b = self._slots
         zf = jnp.zeros((b,), jnp.float32)
-        state = DecodeState(cache_layout.init_slots(self._model, b, self.max_cache_len), jnp.zeros((b,), jnp.int32),
+        pages = cache_layout.Pages(self.num_pages, self.page_size) if self.paged else None
+        state = DecodeState(cache_layout.init_slots(self._model, b, self.max_cache_len, pages),
+                            jnp.zeros((b,), jnp.int32),
                             jnp.zeros((b, 2), jnp.uint32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32),
                             jnp.ones((b,), bool), zf, zf)
         if self._sharded:  # placed as every jitted function keeps it (`decode_state_specs`)
@@ -475,6 +535,8 @@ class PolicyEngine:
         for b in self.prefill_buckets:
             if b >= length:
                 return b
+        if self.paged and length <= self.max_cache_len:  # a preempted sample's prompt + tokens so far
+            return min(_pow2_ceil(length), self.max_cache_len)
         raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length={self._max_prefill}")
 
     def prefill(self, *, params: Any, existing_prefix: Prefix | None = None, padded_tokens: Any,
@@ -561,6 +623,8 @@ class PolicyEngine:
         for x in slots:
             if not 0 <= int(x) < self._slots:
                 raise ValueError(f"slot={x} outside [0, {self._slots})")
+        if self.paged:
+            raise ValueError("prefill_many needs kv_cache='dense': with a paged cache, `run` owns the pages")
         keys = [_host_key(r.key) for r in requests]
         return self._prefill_many(params, decode_state, prompts, budgets, keys, list(slots),
                                   sampling or self.sampling)
@@ -574,10 +638,11 @@ class PolicyEngine:
         return budget
 
     def _prefill_many(self, params, state, prompts: list[np.ndarray], budgets: list[int], keys: list[np.ndarray],
-                      slots: list[int], sampling: SamplingParams, fanout: int | None = None
-                      ) -> tuple[DecodeState, PrefillResult]:
+                      slots: list[int], sampling: SamplingParams, fanout: int | None = None,
+                      resumes: Sequence[tuple | None] | None = None) -> tuple[DecodeState, PrefillResult]:
         """`prefill_many` on checked inputs. `fanout` (a power of two >= the largest group here) fixes the
-        slots-per-row dimension so that every call of a run uses the same shapes."""
+        slots-per-row dimension so that every call of a run uses the same shapes. `resumes[i]` (token,
+        generated count, logprob, sampling logprob), when given, continues preempted request i (`Resume`)."""
         n = len(prompts)
         if n == 0:
             empty = np.zeros(0, np.float32)
@@ -595,13 +660,19 @@ class PolicyEngine:
             sl = np.full((r, f), self._slots, np.int32)  # >= slots: unused, dropped
             ks = np.zeros((r, f, 2), np.uint32)
             bud = np.ones((r, f), np.int32)
+            res = Resume(np.zeros((r, f), bool), np.zeros((r, f), np.int32), np.zeros((r, f), np.int32),
+                         np.zeros((r, f), np.float32), np.zeros((r, f), np.float32))
             for row, gi in enumerate(members):
                 ids = prompts[groups[gi][0]]
                 tok[row, :ids.size], lens[row] = ids, ids.size
                 tokens_real += ids.size
                 for j, i in enumerate(groups[gi]):
                     sl[row, j], ks[row, j], bud[row, j] = slots[i], keys[i], budgets[i]
-            state, out = self._prefill_rows_jit(params, state, tok, lens, sl, ks, bud, sampling=sampling,
+                    if resumes is not None and resumes[i] is not None:
+                        res.flag[row, j] = True
+                        res.token[row, j], res.length[row, j], res.logprob[row, j], \
+                            res.sampling_logprob[row, j] = resumes[i]
+            state, out = self._prefill_rows_jit(params, state, tok, lens, sl, ks, bud, res, sampling=sampling,
                                                 eos_ids=self.eos_token_ids)
             outs.append(out)
             plan_rows.append([groups[gi] for gi in members])
@@ -692,7 +763,13 @@ class PolicyEngine:
         Free slots are refilled together by `prefill_many` (batched, one prefill row per distinct
         prompt). Tokens of a request depend only on its prompt, key, params and sampling, never on
         the slot or on its neighbours; its log-probs too, up to float rounding (last ulp) of the
-        prefill batch's shape. `on_tokens(n)` reports progress."""
+        prefill batch's shape. `on_tokens(n)` reports progress.
+
+        With the paged cache a request is admitted while free pages last (its prompt plus one call's
+        tokens), and before each decode call every sample in flight gets the pages that call may fill.
+        When the pool runs out, the most recently admitted samples are preempted: their pages are freed
+        and they wait at the head of the queue to be prefilled again with their tokens so far, and then
+        go on with their own RNG key (`Resume`), so their tokens equal a run with enough pages."""
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         sampling = sampling or self.sampling
@@ -702,6 +779,7 @@ class PolicyEngine:
             prompts.append(self.check_prompt(r.prompt_ids, what=f"request {i} prompt"))
             budgets.append(self._check_budget(len(prompts[-1]), r.max_new_tokens))
         keys = [_host_key(r.key) for r in requests]
+        pool = self._page_pool(prompts, budgets) if self.paged else None
         # One slots-per-row width for the whole run (same shapes every call): the largest group of equal
         # prompts, capped by the slots.
         counts: dict[bytes, int] = {}
@@ -709,9 +787,13 @@ class PolicyEngine:
             counts[ids.tobytes()] = counts.get(ids.tobytes(), 0) + 1
         fanout = _pow2_ceil(min(max(counts.values(), default=1), self._slots))
         out: list[Completion | None] = [None] * len(requests)
-        stats = RunStats()
+        stats = RunStats(kv_pages=pool.num_pages if pool else 0)
         pending = deque(range(len(requests)))
         slot_req: list[int | None] = [None] * self._slots
+        rows = list(prompts)  # what request i prefills: its prompt, or its prompt + tokens so far (preempted)
+        resume: list[tuple | None] = [None] * len(requests)
+        admitted = [0] * self._slots  # admission order of each slot's request: preemption takes the latest
+        clock = 0
         state = self.init_decode_state()
         stats.decode_devices = len({tuple((i.start, i.stop) for i in s.index)
                                     for s in state.tokens.addressable_shards})
@@ -719,32 +801,78 @@ class PolicyEngine:
         def finish(slot, stop):
             out[slot_req[slot]].stop = stop
             slot_req[slot] = None
+            if pool:
+                pool.release(slot)
+
+        def positions_after_call(i, prefill: bool) -> int:
+            """KV positions request i may hold after its next call (prefill + decode, or decode only); a
+            request never caches more than its prompt + budget - 1 (its last token is never cached)."""
+            cached = rows[i].size if prefill else prompts[i].size + len(out[i].tokens) - 1
+            return min(cached + steps_per_call, prompts[i].size + budgets[i] - 1)
+
+        def preempt(state):
+            slot = max((s for s in range(self._slots) if slot_req[s] is not None), key=lambda s: admitted[s])
+            i, c = slot_req[slot], out[slot_req[slot]]
+            keys[i] = np.asarray(jax.device_get(state.keys[slot]))
+            rows[i] = np.concatenate([prompts[i], np.asarray(c.tokens[:-1], np.int32)])
+            resume[i] = (c.tokens[-1], len(c.tokens), c.logprobs[-1], c.sampling_logprobs[-1])
+            slot_req[slot] = None
+            pool.release(slot)
+            pending.appendleft(i)
+            stats.preemptions += 1
+            return self.free_slot(state, slot), slot
 
         while pending or any(r is not None for r in slot_req):
+            if pool:  # pages for the next decode call of every sample in flight, earliest admitted first
+                for slot in sorted((s for s in range(self._slots) if slot_req[s] is not None),
+                                   key=lambda s: admitted[s]):
+                    while slot_req[slot] is not None and not pool.grow(slot, positions_after_call(slot_req[slot],
+                                                                                                  False)):
+                        state, _ = preempt(state)
             free = self._spread([slot for slot in range(self._slots) if slot_req[slot] is None], slot_req)
-            if free and pending:  # refill every free slot in as few batched prefill calls as the budget allows
-                take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+            take, into = [], []
+            # Pages kept free for the samples in flight to grow into over the next few calls: admitting into
+            # them would only preempt (and prefill again) the newcomers a call or two later.
+            reserve = sum(r is not None for r in slot_req) * pages_for(ADMIT_LOOKAHEAD_CALLS * steps_per_call,
+                                                                       self.page_size) if pool else 0
+            for slot in free:  # admit in queue order while slots (and pages) last
+                if not pending or (pool and (pool.free_pages - pool.shortfall(slot, positions_after_call(
+                        pending[0], True)) < reserve or not pool.grow(slot, positions_after_call(pending[0], True)))):
+                    break
+                reserve += pages_for(ADMIT_LOOKAHEAD_CALLS * steps_per_call, self.page_size) if pool else 0
+                take.append(pending.popleft())
+                into.append(slot)
+                admitted[slot], clock = clock, clock + 1
+            if pool:
+                state = self._with_page_table(state, pool.table())
+                stats.peak_pages = pool.peak_used
+            if take:  # refill the free slots in as few batched prefill calls as the budget allows
                 t0 = time.perf_counter()
-                state, first = self._prefill_many(params, state, [prompts[i] for i in take],
+                state, first = self._prefill_many(params, state, [rows[i] for i in take],
                                                   [budgets[i] for i in take], [keys[i] for i in take],
-                                                  free[:len(take)], sampling, fanout)
+                                                  into, sampling, fanout, [resume[i] for i in take])
                 stats.prefill_seconds += time.perf_counter() - t0
                 stats.prefills += len(take)
                 stats.prefill_calls += first.calls
                 stats.prefill_rows += first.rows
                 stats.prefill_tokens += first.tokens_prefilled
-                stats.tokens_decoded += len(take)
-                for n, (i, slot) in enumerate(zip(take, free)):
+                fresh = 0
+                for n, (i, slot) in enumerate(zip(take, into)):
+                    slot_req[slot] = i
+                    if resume[i] is not None:  # a preempted sample goes on where it stopped
+                        resume[i] = None
+                        continue
+                    fresh += 1
                     tok = int(first.tokens[n])
                     out[i] = Completion([tok], [float(first.logprobs[n])], [float(first.sampling_logprobs[n])], "")
-                    slot_req[slot] = i
                     if first.done[n]:
                         finish(slot, "eos" if tok in self.eos_token_ids else "budget")
                     elif _ends_with_stop(out[i].tokens, stops):
                         state = self.free_slot(state, slot)
                         finish(slot, "stop")
-                if on_tokens:
-                    on_tokens(len(take))
+                stats.tokens_decoded += fresh
+                if on_tokens and fresh:
+                    on_tokens(fresh)
             if all(r is None for r in slot_req):
                 continue
             t0 = time.perf_counter()
@@ -752,6 +880,7 @@ class PolicyEngine:
             steps, done = jax.device_get((steps, state.done))
             stats.decode_seconds += time.perf_counter() - t0
             stats.generate_calls += 1
+            stats.decode_steps += steps_per_call
             stats.slot_steps_used += int(steps.valid.sum())
             stats.slot_steps_total += steps.valid.size
             new_tokens = 0
@@ -783,6 +912,24 @@ class PolicyEngine:
             if on_tokens and new_tokens:
                 on_tokens(new_tokens)
         return out, stats
+
+    def _page_pool(self, prompts: list[np.ndarray], budgets: list[int]) -> PagePool:
+        """A fresh pool for `run`; refuses, before any work, a request that could never fit in it alone."""
+        for i, (ids, budget) in enumerate(zip(prompts, budgets)):
+            need = pages_for(ids.size + budget - 1, self.page_size)
+            if need > self.num_pages:
+                raise ValueError(f"request {i}: a prompt of {ids.size} tokens + max_new_tokens={budget} needs "
+                                 f"{need} KV pages of {self.page_size} positions, more than the pool's "
+                                 f"num_pages={self.num_pages}; give the engine more pages or ask for fewer tokens")
+        return PagePool(self.num_pages, self.page_size, self._slots, self.max_pages_per_slot)
+
+    def _with_page_table(self, state: DecodeState, table: np.ndarray) -> DecodeState:
+        """The state with this call's page table (placed as `decode_state_specs` lays it out)."""
+        table = jnp.asarray(table)
+        if self._sharded:
+            spec = decode_state_specs(state, self._mesh).cache.page_table
+            table = jax.device_put(table, NamedSharding(self._mesh, spec))
+        return state._replace(cache=state.cache._replace(page_table=table))
 
 
 def register_as_jetstream_engine(engine_api: Any) -> None:

@@ -71,6 +71,34 @@ def blockwise_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     return blockwise(q, k, v, mask)
 
 
+def paged_attention(impl: str, q, k_pages, v_pages, page_table, mask: AttentionMask, owners=None) -> jnp.ndarray:
+    """Attention over a paged KV cache (models/paged_kv.py): q [B, T, Hq, D], pools [P, page, Hkv, D],
+    page_table [B, W], `mask` over the pages' dense view [B, W x page]. One query per slot (decode): `pallas`
+    reads the pages in place (`kernels.paged_decode`), `xla` / `blockwise` read every page once by its owner
+    (`paged_kv.ragged_decode_attention`); every other call gathers the pages into a dense view and runs
+    `impl` on it."""
+    if impl == "pallas" and q.shape[1] == 1:
+        try:
+            from ulorl_jax import kernels
+        except ImportError as err:  # pragma: no cover - depends on the install
+            warn_once(log, "pallas-import", f"attention_impl=pallas unavailable ({err}); using blockwise")
+        else:
+            if hasattr(kernels, "paged_decode"):
+                # Slot b may see positions 0..q_index (its cache plus this token); an idle slot's output
+                # is ignored by the engine.
+                return kernels.paged_decode(q[:, 0], k_pages, v_pages, page_table, mask.q_index[:, 0] + 1,
+                                            impl="pallas")[:, None]
+    from ulorl_jax.models.paged_kv import gather_pages, ragged_decode_attention
+
+    if q.shape[1] == 1 and impl in ("xla", "blockwise"):
+        # Decode: read each page once, by its owner (the gather below costs slots x the longest sample).
+        return ragged_decode_attention(q[:, 0], k_pages, v_pages, page_table, mask.q_index[:, 0] + 1,
+                                       owners)[:, None]
+    k = gather_pages(k_pages, page_table).astype(q.dtype)
+    v = gather_pages(v_pages, page_table).astype(q.dtype)
+    return get_attention_impl(impl)(q, k, v, mask)
+
+
 _IMPLS: dict[str, AttentionFn] = {"xla": xla_attention, "cudnn": cudnn_attention, "pallas": pallas_attention,
                                   "blockwise": blockwise_attention}
 

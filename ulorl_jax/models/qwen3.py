@@ -24,11 +24,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ulorl_jax.models.attention import AttentionMask, get_attention_impl
+from ulorl_jax.models.attention import (
+    AttentionMask,
+    get_attention_impl,
+    paged_attention,
+)
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
 from ulorl_jax.models.fallback import warn_once
 from ulorl_jax.models.layer_scan import scan_layers, unscannable
 from ulorl_jax.models.moe import SparseMoeBlock, load_balancing_loss
+from ulorl_jax.models.paged_kv import PagedKVCache, PagedLayerKV, cached_segments, page_owners, write_pages
 from ulorl_jax.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from ulorl_jax.sharding import constrain, param_shardings
 
@@ -96,6 +101,8 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_kv = None
+        if isinstance(kv, PagedLayerKV):
+            return self._paged(q, k, v, mask, kv, dt)
         if kv is not None:
             k_cache, v_cache, index = kv
             write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
@@ -105,6 +112,13 @@ class Attention(nnx.Module):
             k, v = k.astype(dt), v.astype(dt)
         out = get_attention_impl(self.config.attention_impl)(q, k, v, mask)  # [B, T, H, Dh]
         return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), new_kv
+
+    def _paged(self, q, k, v, mask: AttentionMask, kv: PagedLayerKV, dt):
+        """Append k / v to the slots' pages, then attend over them (models/paged_kv.py)."""
+        k_pool = write_pages(kv.k, kv.page_table, kv.index, k)
+        v_pool = write_pages(kv.v, kv.page_table, kv.index, v)
+        out = paged_attention(self.config.attention_impl, q, k_pool, v_pool, kv.page_table, mask, kv.owners)
+        return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), (k_pool, v_pool)
 
 
 class MLP(nnx.Module):
@@ -256,33 +270,41 @@ class Qwen3ForCausalLM(nnx.Module):
         return KVCache(zeros, zeros, jnp.zeros((batch, max_len), jnp.int32),
                        jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
-    def decode_step(self, tokens, cache: KVCache, *, attention_mask=None, positions=None):
+    def decode_step(self, tokens, cache: KVCache | PagedKVCache, *, attention_mask=None, positions=None):
         """Append tokens [B, T] to each slot's cache and return (logits [B, T, V], cache).
 
         T may be a prompt chunk (prefill) or 1 (generation). `attention_mask`
         marks padding inside `tokens` (e.g. left-padded prompts); padded tokens
         take cache slots but are never attended to by real tokens. The caller
-        keeps `cache.index + T <= cache.max_len` (the engine checks it)."""
+        keeps `cache.index + T <= cache.max_len` (the engine checks it). A `PagedKVCache`
+        (models/paged_kv.py) takes the same call; its slots hold no left padding."""
         b, t = tokens.shape
         real = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
         if positions is None:
             positions = cache.position[:, None] + jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
         q_index = cache.index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
-        write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i,)))
-        kv_segments = write(cache.segment_ids, real, cache.index)  # [B, S]
+        paged = isinstance(cache, PagedKVCache)
+        if paged:  # every position below a slot's index is real (the engine never left-pads a paged slot)
+            kv_segments = cached_segments(cache.index, cache.max_len, real)
+        else:
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i,)))
+            kv_segments = write(cache.segment_ids, real, cache.index)  # [B, S]
         mask = AttentionMask(real, kv_segments, q_index, is_self_attention=False)
         x = self._embed(tokens)
         cos, sin = self._rope(positions, x.dtype)
         new_k, new_v = [], []
+        owners = page_owners(cache.page_table, cache.num_pages) if paged else None  # once, not per layer
         for i, layer in enumerate(self.layers):
-            x, (k, v), _ = layer(x, cos, sin, mask, kv=(cache.k[i], cache.v[i], cache.index))
+            kv = PagedLayerKV(cache.k[i], cache.v[i], cache.page_table, cache.index, owners) if paged else \
+                (cache.k[i], cache.v[i], cache.index)
+            x, (k, v), _ = layer(x, cos, sin, mask, kv=kv)
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(x)
         logits = hidden @ self.lm_head_weight().astype(hidden.dtype)
-        new_cache = KVCache(tuple(new_k), tuple(new_v), kv_segments, cache.index + t,
-                            cache.position + jnp.sum(real, axis=1))
-        return logits, new_cache
+        moved = dict(k=tuple(new_k), v=tuple(new_v), index=cache.index + t,
+                     position=cache.position + jnp.sum(real, axis=1))
+        return logits, cache._replace(**moved) if paged else cache._replace(segment_ids=kv_segments, **moved)
 
 
 def init_model(config: ModelConfig, seed: int = 0) -> Qwen3ForCausalLM:

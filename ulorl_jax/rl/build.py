@@ -94,7 +94,7 @@ def build_engine(cfg: RunConfig, model, tokenizer, *, slots: int, max_len: int, 
     return PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len, max_cache_len=max_len,
                         prefill_buckets=r.prefill_buckets, prefill_token_budget=r.prefill_token_budget,
                         sampling=sampling, eos_token_ids=eos_ids(model.config, tokenizer), tokenizer=tokenizer,
-                        mesh=mesh)
+                        mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.kv_pages)
 
 
 def build_scorer(cfg: RunConfig) -> RewardScorer:

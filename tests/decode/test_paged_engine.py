@@ -1,0 +1,96 @@
+"""PolicyEngine with the paged KV cache: the same tokens as the dense cache, preemption when pages run
+out, admission by pages, clear errors."""
+
+import numpy as np
+import pytest
+
+from ulorl_jax.decode.engine import PolicyEngine, Request
+from ulorl_jax.decode.page_pool import PagePool
+from ulorl_jax.decode.sampling import GREEDY, SamplingParams
+from ulorl_jax.models import init_model, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(tiny_config("qwen3"), seed=3)
+
+
+def requests(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Request(rng.integers(1, 128, size=int(rng.integers(3, 12))).tolist(), int(rng.integers(5, 40)), i)
+            for i in range(n)]
+
+
+def engine(model, sampling, **kw):
+    return PolicyEngine(model, max_prefill_length=16, max_cache_len=64, sampling=sampling, **kw)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_tiny_pool_preempts_and_equals_the_dense_cache(model, sampling):
+    """14 pages of 4 positions for 8 slots: samples are preempted and prefilled again with their tokens so
+    far; every token equals the dense engine's, log-probs up to the prefill's rounding."""
+    reqs = requests()
+    dense = engine(model, sampling, max_concurrent_decodes=4)
+    want, _ = dense.run(dense.load_params(), reqs)
+    paged = engine(model, sampling, max_concurrent_decodes=8, kv_cache="paged", page_size=4, num_pages=14)
+    got, stats = paged.run(paged.load_params(), reqs, steps_per_call=1)  # one call's reserve: one page each
+    assert stats.preemptions > 0
+    assert stats.peak_pages <= 14
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert b.tokens == a.tokens, f"request {i}"
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4, err_msg=f"request {i}")
+        np.testing.assert_allclose(b.sampling_logprobs, a.sampling_logprobs, atol=1e-4)
+        assert b.stop == a.stop
+
+
+def test_enough_pages_keeps_more_samples_in_flight(model):
+    """The dense cache's memory (4 slots x 64 positions = 64 pages of 4) as a pool for 16 slots: short
+    samples no longer wait for a slot (the long ones are preempted now and then); tokens equal; stop
+    sequences still end samples."""
+    reqs = requests(16, seed=1)
+    stop = [reqs[0].prompt_ids[:0] + [7]]
+    dense = engine(model, GREEDY, max_concurrent_decodes=4)
+    want, d = dense.run(dense.load_params(), reqs, stop_sequences=stop)
+    paged = engine(model, GREEDY, max_concurrent_decodes=16, kv_cache="paged", page_size=4, num_pages=64)
+    got, p = paged.run(paged.load_params(), reqs, stop_sequences=stop, steps_per_call=2)
+    assert p.peak_pages <= 64
+    assert p.in_flight > 2 * d.in_flight
+    assert [c.tokens for c in got] == [c.tokens for c in want]
+    assert [c.stop for c in got] == [c.stop for c in want]
+
+
+def test_default_pool_is_the_dense_cache_memory_and_never_preempts(model):
+    paged = engine(model, GREEDY, max_concurrent_decodes=4, kv_cache="paged", page_size=8)
+    assert paged.num_pages == 4 * 8  # 4 slots x 64 positions
+    _, stats = paged.run(paged.load_params(), requests(8, seed=2))
+    assert stats.preemptions == 0 and 0 < stats.peak_pages <= 32
+
+
+def test_request_that_can_never_fit_is_refused_up_front(model):
+    paged = engine(model, GREEDY, max_concurrent_decodes=2, kv_cache="paged", page_size=4, num_pages=5)
+    with pytest.raises(ValueError, match=r"request 1: a prompt of 5 tokens \+ max_new_tokens=30 needs 9 KV pages "
+                                         r"of 4 positions, more than the pool's num_pages=5"):
+        paged.run(paged.load_params(), [Request([1, 2, 3], 4, 0), Request([1, 2, 3, 4, 5], 30, 1)])
+
+
+def test_paged_engine_refuses_the_calls_that_bypass_its_pages(model):
+    paged = engine(model, GREEDY, max_concurrent_decodes=2, kv_cache="paged", page_size=4)
+    state = paged.init_decode_state()
+    with pytest.raises(ValueError, match="prefill_many needs kv_cache='dense'"):
+        paged.prefill_many(paged.load_params(), state, [Request([1, 2], 3, 0)], [0])
+    with pytest.raises(ValueError, match="kv_cache="):
+        engine(model, GREEDY, max_concurrent_decodes=2, kv_cache="pages")
+
+
+def test_page_pool_hands_out_and_takes_back_pages():
+    pool = PagePool(num_pages=6, page_size=4, slots=3, max_pages_per_slot=4)
+    assert pool.grow(0, 5) and pool.owned(0) == [0, 1]
+    assert pool.grow(1, 4) and pool.owned(1) == [2]
+    assert pool.grow(0, 9) and pool.owned(0) == [0, 1, 3]  # grows by the missing page only
+    assert not pool.grow(2, 13)  # 4 pages wanted, 2 free: nothing taken
+    assert pool.owned(2) == [] and pool.free_pages == 2
+    assert pool.width() == 4  # 3 pages rounded up to a power of two
+    np.testing.assert_array_equal(pool.table(), [[0, 1, 3, 6], [2, 6, 6, 6], [6, 6, 6, 6]])
+    pool.release(0)
+    assert pool.free_pages == 5 and pool.peak_used == 4
+    assert pool.grow(2, 100) and len(pool.owned(2)) == 4  # capped at max_pages_per_slot
