@@ -89,7 +89,7 @@ def test_page_pool_hands_out_and_takes_back_pages():
     assert pool.grow(0, 9) and pool.owned(0) == [0, 1, 3]  # grows by the missing page only
     assert not pool.grow(2, 13)  # 4 pages wanted, 2 free: nothing taken
     assert pool.owned(2) == [] and pool.free_pages == 2
-    assert pool.width() == 4  # 3 pages rounded up to a power of two
+    assert pool.table().shape == (3, 4)  # always max_pages_per_slot wide: one compiled shape
     np.testing.assert_array_equal(pool.table(), [[0, 1, 3, 6], [2, 6, 6, 6], [6, 6, 6, 6]])
     pool.release(0)
     assert pool.free_pages == 5 and pool.peak_used == 4

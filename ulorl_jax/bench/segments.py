@@ -268,7 +268,7 @@ def build(s: dict):
     slots = s["prompts_per_step"] * s["n"] * max(ks)
     budget = {"prefill_token_budget": s["prefill_token_budget"]} if s.get("prefill_token_budget") else {}
     engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=p + gmax, max_cache_len=p + gmax,
-                          **budget)
+                          prefill_fanout=s["n"], **budget)
     learner = Learner(model, LearnerConfig(row_len=p + gmax, micro_batch_rows=1, logprob_chunk=p + gmax,
                                            mask_mode="dmmpt", lr=1e-4))
     return ks, engine, learner

@@ -42,12 +42,13 @@ class Pages(NamedTuple):
 
 def init_slots(model, slots: int, max_len: int, pages: Pages | None = None) -> KVCache | PagedKVCache:
     """An empty cache for `slots` slots of up to `max_len` positions: dense rows, or a pool of pages
-    (a page table one page wide; the engine ships the real one with each call)."""
+    (an empty page table as wide as a slot's most pages; the engine ships the real one with each call)."""
     if pages is None:
         return model.init_cache(slots, max_len)
     cfg = model.config
     return paged_kv.init_paged_cache(cfg.num_hidden_layers, pages.num_pages, pages.page_size,
-                                     cfg.num_key_value_heads, cfg.head_dim, resolve_dtype(cfg.dtype), slots, 1)
+                                     cfg.num_key_value_heads, cfg.head_dim, resolve_dtype(cfg.dtype), slots,
+                                     -(-max_len // pages.page_size))
 
 
 def prefill_cache(model, rows: int, length: int) -> KVCache:

@@ -14,8 +14,9 @@ jetstream.
 - Prefill pads prompts to a length bucket (one compile per bucket); prompts
   longer than `max_prefill_length`, empty prompts and unknown token ids raise.
 - Batched prefill (`prefill_many`, used by `run`): many requests per jitted call, padded to
-  the bucket of the call's longest, `pow2(rows) x bucket <= prefill_token_budget` tokens per call, split
-  where a second call saves more padding than it costs (`plan_prefill`), written
+  the bucket of the call's longest, rows (a power of four, or the most that fit) x bucket <=
+  prefill_token_budget tokens per call, split where a second call saves more padding than it
+  costs (`plan_prefill`), written
   straight into their slots in the same call (no per-request insert). Requests with equal prompts
   (a group's n samples) share one prefill row: its KV is copied to each sample's slot and each
   samples its first token with its own key. JetStream's one-request `prefill` / `insert` stay as
@@ -57,7 +58,6 @@ from ulorl_jax.sharding import (
     MESH_AXES,
     axis_size,
     batch_axes_for,
-    context_mesh,
     mesh_context,
 )
 
@@ -175,6 +175,13 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _pow4_ceil(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 4
+    return p
+
+
 def _host_key(key) -> np.ndarray:
     """A request's key as raw uint32 [2] on the host (batched prefill ships keys in one array)."""
     if isinstance(key, np.ndarray) and key.dtype == np.uint32 and key.shape == (2,):
@@ -267,10 +274,12 @@ def decode_state_specs(state: DecodeState, mesh) -> DecodeState:
 
 
 def _laid_out(state: DecodeState) -> DecodeState:
-    """Under a mesh context, pin the state to `decode_state_specs` (a stable layout: no resharding and no
-    recompile between calls); otherwise unchanged."""
-    mesh = context_mesh()
-    if mesh is None:
+    """Under a mesh context (one device included), pin the state to `decode_state_specs`: a stable layout,
+    so no resharding and no recompile between calls (left to propagation, a one-device mesh's state came
+    back laid out as whichever parameter it met, a new signature, and a compile, call after call);
+    otherwise unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return state
     return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
                         state, decode_state_specs(state, mesh))
@@ -389,11 +398,16 @@ class PolicyEngine:
                  sampling: SamplingParams = SamplingParams(), eos_token_ids: Sequence[int] = (),
                  mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None,
                  prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET, kv_cache: str = "dense",
-                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+                 page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 prefill_fanout: int | None = None):
+        """`prefill_fanout`: slots one batched prefill row serves (requests with equal prompts, a group's n
+        samples, share a row; a larger group takes several rows). Give the rollout's n: each width is its
+        own set of compiled prefill shapes. None: as wide as the largest group seen so far."""
         for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
                         ("max_prefill_length", max_prefill_length), ("max_cache_len", max_cache_len),
                         ("prefill_token_budget", prefill_token_budget), ("page_size", page_size),
-                        ("num_pages", 1 if num_pages is None else num_pages)):
+                        ("num_pages", 1 if num_pages is None else num_pages),
+                        ("prefill_fanout", 1 if prefill_fanout is None else prefill_fanout)):
             if int(v) != v or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if kv_cache not in KV_CACHES:
@@ -428,33 +442,44 @@ class PolicyEngine:
         # ever preempted); fewer pages, or more slots, trade that guarantee for samples in flight.
         self.num_pages = int(num_pages) if num_pages is not None else self._slots * self.max_pages_per_slot
         self._prefill_calls = 0
+        # Slots per prefill row in `run`, a power of two; None: grows with the largest group seen.
+        self.prefill_fanout = None if prefill_fanout is None else _pow2_ceil(min(prefill_fanout, self._slots))
+        self._fanout = self.prefill_fanout or 1
         g, r = self._graphdef, self._rest
         # Under a mesh of several devices, trace everything under it (see module doc).
         self._sharded = mesh is not None and set(MESH_AXES) <= set(mesh.axis_names) and mesh.size > 1
         rows = batch_axes_for(self._slots, mesh) if self._sharded else ()
         self._slot_shards = axis_size(mesh, rows) if rows else 1  # devices holding distinct slots
-        traced = (lambda f: mesh_context(f, mesh)) if self._sharded else (lambda f: f)
+        # The state is laid out on the mesh, even a one-device one (`_laid_out`); only a sharded engine
+        # splits work (`context_mesh`).
+        self._pinned = mesh is not None and set(MESH_AXES) <= set(mesh.axis_names)
+        traced = (lambda f: mesh_context(f, mesh)) if self._pinned else (lambda f: f)
+        # One device: the state comes back as P() on the mesh whatever layout it met (an output left to
+        # propagation took the spelling of a weight's spec, P('tensor', 'fsdp'), in some calls and not
+        # others: a new signature, so a compile, each time).
+        self._state_out = NamedSharding(mesh, P()) if self._pinned and not self._sharded else None
+        with_state = {"out_shardings": (self._state_out, None)} if self._state_out else {}
+        state_only = {"out_shardings": self._state_out} if self._state_out else {}
         self._prefill_jit = jax.jit(traced(lambda p, t, n, c, k, b, *, sampling, eos_ids:
                                            _prefill_impl(g, r, p, t, n, c, k, b, sampling=sampling,
                                                          eos_ids=eos_ids)),
                                     static_argnames=("sampling", "eos_ids"))
-        self._insert_jit = jax.jit(traced(_insert_impl), donate_argnums=(1,))
+        self._insert_jit = jax.jit(traced(_insert_impl), donate_argnums=(1,), **state_only)
         self._prefill_rows_jit = jax.jit(traced(lambda p, s, t, n, sl, k, b, res, *, sampling, eos_ids:
                                                 _prefill_rows_impl(g, r, p, s, t, n, sl, k, b, res,
                                                                    sampling=sampling, eos_ids=eos_ids)),
-                                         static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
+                                         static_argnames=("sampling", "eos_ids"), donate_argnums=(1,), **with_state)
         self._generate_jit = jax.jit(traced(lambda p, s, *, sampling, eos_ids:
                                             _generate_impl(g, r, p, s, sampling=sampling, eos_ids=eos_ids)),
-                                     static_argnames=("sampling", "eos_ids"), donate_argnums=(1,))
+                                     static_argnames=("sampling", "eos_ids"), donate_argnums=(1,), **with_state)
         self._steps_jit = jax.jit(traced(lambda p, s, *, num_steps, sampling, eos_ids:
                                          _generate_steps_impl(g, r, p, s, num_steps=num_steps, sampling=sampling,
                                                               eos_ids=eos_ids)),
-                                  static_argnames=("num_steps", "sampling", "eos_ids"), donate_argnums=(1,))
+                                  static_argnames=("num_steps", "sampling", "eos_ids"), donate_argnums=(1,),
+                                  **with_state)
         self._free_jit = jax.jit(traced(lambda s, slot: _laid_out(s._replace(done=s.done.at[slot].set(True)))),
-                                 donate_argnums=(0,))
-        # A fresh state in one compiled call (`run` starts every call from one; eagerly, zeros + a copy per
-        # leaf cost ~14 dispatches per layer's K and V, 2.7 ms per rollout step on the CPU bench).
-        self._init_state_jit = jax.jit(traced(lambda: _laid_out(self._zero_state())))
+                                 donate_argnums=(0,), **state_only)
+        self._init_state_jit = None  # built at the first `init_decode_state`
 
     # -- JetStream Engine properties ------------------------------------------------------
 
@@ -504,7 +529,15 @@ class PolicyEngine:
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         """Every slot idle, laid out as every jitted function keeps it (`decode_state_specs`); each leaf its
-        own buffer (the state is donated leaf by leaf)."""
+        own buffer (the state is donated leaf by leaf). One compiled call (`run` starts every call from a
+        fresh state; built eagerly, zeros and a copy per leaf cost 2.7 ms per rollout step on the CPU bench)."""
+        if self._init_state_jit is None:
+            out = self._state_out
+            if self._sharded:  # as the jitted steps lay it out
+                shapes = jax.eval_shape(self._zero_state)
+                out = jax.tree.map(lambda x, spec: NamedSharding(self._mesh, spec), shapes,
+                                   decode_state_specs(shapes, self._mesh))
+            self._init_state_jit = jax.jit(self._zero_state, out_shardings=out)
         return self._init_state_jit()
 
     def _zero_state(self) -> DecodeState:
@@ -580,24 +613,36 @@ class PolicyEngine:
         first = _result_tokens(prefix.token[None], jnp.ones((1,), bool), jnp.ones((1,), jnp.int32))
         return prefix, first
 
+    def prefill_rows_cap(self, length: int) -> int:
+        """Most rows a prefill call of padded length `length` holds: the largest power of two within
+        `prefill_token_budget` (1 when one row alone exceeds it), and no more than the slots need."""
+        return min(1 << max(0, (self.prefill_token_budget // int(length)).bit_length() - 1),
+                   _pow2_ceil(self._slots))
+
+    def prefill_rows(self, n: int, length: int) -> int:
+        """Rows a call of `n` (<= the cap, or 1) requests padded to `length` computes: a power of four, or
+        the cap. Every new [rows, length] shape is a compile (seconds on a CPU, minutes for a large model
+        on a GPU) in the middle of a run: powers of four, not of two, halve the shapes per length bucket
+        for at most 4x padded rows, which the plan weighs in its cost."""
+        return max(min(_pow4_ceil(n), self.prefill_rows_cap(length)), int(n))
+
     def plan_prefill(self, lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
         """Split prefill rows of these token lengths into calls: [(padded length L, row indices)], each
-        call computing pow2(rows) x L <= prefill_token_budget padded tokens (a row longer than the
-        budget gets a call alone). Rows sorted longest first are cut into consecutive calls that
+        call computing `prefill_rows(rows, L)` x L <= prefill_token_budget padded tokens (a row longer
+        than the budget gets a call alone). Rows sorted longest first are cut into consecutive calls that
         minimise padded tokens + PREFILL_CALL_COST_TOKENS per call (a small dynamic program): one call
         for rows of similar length, a second one when it saves more padding than a call costs (a
         step's few long continued samples no longer pad its many short ones to their length). Shapes
-        come from a fixed set: L in `prefill_buckets`, rows a power of two <= budget / L."""
+        come from a small fixed set: L in `prefill_buckets`, rows a power of four or the cap."""
         order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
         bucket = [self.bucket_for(int(lengths[i])) for i in order]
         n = len(order)
         best: list[tuple[float, int]] = [(0.0, 0)] + [(math.inf, 0)] * n  # best[j]: rows [0, j) -> (cost, cut)
         for j in range(1, n + 1):
             for i in range(j - 1, -1, -1):  # the call holds rows [i, j), padded to bucket[i]
-                padded = _pow2_ceil(j - i) * bucket[i]
-                if padded > self.prefill_token_budget and j - i > 1:
+                if j - i > self.prefill_rows_cap(bucket[i]) and j - i > 1:
                     break  # more rows (smaller i) only grow the call
-                cost = best[i][0] + PREFILL_CALL_COST_TOKENS + padded
+                cost = best[i][0] + PREFILL_CALL_COST_TOKENS + self.prefill_rows(j - i, bucket[i]) * bucket[i]
                 if cost < best[j][0]:
                     best[j] = (cost, i)
         calls: list[tuple[int, list[int]]] = []
@@ -657,7 +702,7 @@ class PolicyEngine:
         groups = [g[j:j + f] for g in rows.values() for j in range(0, len(g), f)]  # rows of <= F requests
         outs, plan_rows, tokens_real, padded = [], [], 0, 0
         for length, members in self.plan_prefill([len(prompts[g[0]]) for g in groups]):
-            r = _pow2_ceil(len(members))
+            r = self.prefill_rows(len(members), length)
             tok = np.zeros((r, length), np.int32)
             lens = np.ones((r,), np.int32)
             sl = np.full((r, f), self._slots, np.int32)  # >= slots: unused, dropped
@@ -783,12 +828,15 @@ class PolicyEngine:
             budgets.append(self._check_budget(len(prompts[-1]), r.max_new_tokens))
         keys = [_host_key(r.key) for r in requests]
         pool = self._page_pool(prompts, budgets) if self.paged else None
-        # One slots-per-row width for the whole run (same shapes every call): the largest group of equal
-        # prompts, capped by the slots.
-        counts: dict[bytes, int] = {}
-        for ids in prompts:
-            counts[ids.tobytes()] = counts.get(ids.tobytes(), 0) + 1
-        fanout = _pow2_ceil(min(max(counts.values(), default=1), self._slots))
+        # One slots-per-row width (same shapes every call): `prefill_fanout`, or the largest group of equal
+        # prompts so far, capped by the slots (never narrower than an earlier run's: a new width would
+        # compile every prefill shape again).
+        if self.prefill_fanout is None:
+            counts: dict[bytes, int] = {}
+            for ids in prompts:
+                counts[ids.tobytes()] = counts.get(ids.tobytes(), 0) + 1
+            self._fanout = max(self._fanout, _pow2_ceil(min(max(counts.values(), default=1), self._slots)))
+        fanout = self._fanout
         out: list[Completion | None] = [None] * len(requests)
         stats = RunStats(kv_pages=pool.num_pages if pool else 0)
         pending = deque(range(len(requests)))
@@ -927,11 +975,10 @@ class PolicyEngine:
         return PagePool(self.num_pages, self.page_size, self._slots, self.max_pages_per_slot)
 
     def _with_page_table(self, state: DecodeState, table: np.ndarray) -> DecodeState:
-        """The state with this call's page table (placed as `decode_state_specs` lays it out)."""
-        table = jnp.asarray(table)
-        if self._sharded:
-            spec = decode_state_specs(state, self._mesh).cache.page_table
-            table = jax.device_put(table, NamedSharding(self._mesh, spec))
+        """The state with this call's page table, placed exactly as the table it replaces (an equal layout
+        written another way, e.g. P('data') vs P(('data', 'fsdp', 'expert'), None), is a new signature and
+        a compile)."""
+        table = jax.device_put(table, state.cache.page_table.sharding) if self._pinned else jnp.asarray(table)
         return state._replace(cache=state.cache._replace(page_table=table))
 
 

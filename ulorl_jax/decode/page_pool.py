@@ -2,9 +2,9 @@
 
 The engine asks for pages before every call that writes to the cache (`grow`: enough for the positions
 the call may write), gives them back when a sample ends or is preempted (`release`), and ships the page
-table of the slots' pages to the device with each call (`table`). The table's width is a power of two of
-pages (capped at a slot's maximum), so the decode step is compiled for a handful of widths and its
-attention reads only as far as the longest sample in flight, not `max_cache_len`.
+table of the slots' pages to the device with each call (`table`), always a slot's most pages wide: one
+shape, so no call compiles again as samples grow (the attention's work does not depend on the width: the
+XLA path reads the pool once, the Pallas kernel skips pages past each slot's length).
 """
 
 from __future__ import annotations
@@ -58,15 +58,11 @@ class PagePool:
         self._free += self._owned[slot][::-1]
         self._owned[slot] = []
 
-    def width(self) -> int:
-        """The table width for the next call: the most pages any slot owns, rounded up to a power of two
-        (at most max_pages_per_slot)."""
-        most = max((len(o) for o in self._owned), default=0)
-        return min(1 << max(0, most - 1).bit_length(), self.max_pages_per_slot)
-
-    def table(self, width: int | None = None) -> np.ndarray:
-        """[slots, width] int32: each slot's pages in order, then `num_pages` (no page)."""
-        width = self.width() if width is None else width
+    def table(self) -> np.ndarray:
+        """[slots, max_pages_per_slot] int32: each slot's pages in order, then `num_pages` (no page). Always
+        this wide: a table as wide as the longest sample would be a new shape, and so a compile of the
+        prefill and decode steps, each time the longest sample crosses a power of two of pages."""
+        width = self.max_pages_per_slot
         out = np.full((len(self._owned), width), self.num_pages, np.int32)
         for slot, pages in enumerate(self._owned):
             out[slot, :len(pages)] = pages[:width]

@@ -69,8 +69,10 @@ class DecodePlacement:
 
     @property
     def engine_mesh(self) -> Mesh | None:
-        """What `PolicyEngine(mesh=...)` takes: None for one device (an unsharded engine)."""
-        return self.mesh if self.mesh.size > 1 else None
+        """What `PolicyEngine(mesh=...)` takes: the mesh, one device included (the engine then splits no work
+        but keeps its state laid out on that mesh: left to propagation from the learner's weights, the
+        state's layout changed from call to call, and each new layout compiled the step again)."""
+        return self.mesh
 
     @property
     def devices(self) -> int:

@@ -89,12 +89,14 @@ def rollout_config(cfg: RunConfig, model, tokenizer, max_prompt_len: int) -> Rol
 def build_engine(cfg: RunConfig, model, tokenizer, *, slots: int, max_len: int, sampling: SamplingParams,
                  mesh=None) -> PolicyEngine:
     """The decode engine of the trainer and `ulorl eval`: `slots` samples in flight, prompts + outputs up to
-    `max_len` tokens, prefill cut by `rollout.prefill_buckets` / `prefill_token_budget`."""
+    `max_len` tokens, prefill cut by `rollout.prefill_buckets` / `prefill_token_budget`, a prefill row shared
+    by a group's `rollout.n` samples."""
     r = cfg.rollout
     return PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_len, max_cache_len=max_len,
                         prefill_buckets=r.prefill_buckets, prefill_token_budget=r.prefill_token_budget,
                         sampling=sampling, eos_token_ids=eos_ids(model.config, tokenizer), tokenizer=tokenizer,
-                        mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.kv_pages)
+                        mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.kv_pages,
+                        prefill_fanout=r.n)
 
 
 def build_scorer(cfg: RunConfig) -> RewardScorer:
