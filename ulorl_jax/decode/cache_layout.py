@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ulorl_jax.decode.page_pool import pages_for
 from ulorl_jax.models import paged_kv
 from ulorl_jax.models.config import resolve_dtype
 from ulorl_jax.models.paged_kv import PagedKVCache
@@ -48,7 +49,7 @@ def init_slots(model, slots: int, max_len: int, pages: Pages | None = None) -> K
     cfg = model.config
     return paged_kv.init_paged_cache(cfg.num_hidden_layers, pages.num_pages, pages.page_size,
                                      cfg.num_key_value_heads, cfg.head_dim, resolve_dtype(cfg.dtype), slots,
-                                     -(-max_len // pages.page_size))
+                                     pages_for(max_len, pages.page_size))
 
 
 def prefill_cache(model, rows: int, length: int) -> KVCache:

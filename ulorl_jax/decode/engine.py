@@ -447,12 +447,12 @@ class PolicyEngine:
         self._fanout = self.prefill_fanout or 1
         g, r = self._graphdef, self._rest
         # Under a mesh of several devices, trace everything under it (see module doc).
-        self._sharded = mesh is not None and set(MESH_AXES) <= set(mesh.axis_names) and mesh.size > 1
-        rows = batch_axes_for(self._slots, mesh) if self._sharded else ()
-        self._slot_shards = axis_size(mesh, rows) if rows else 1  # devices holding distinct slots
         # The state is laid out on the mesh, even a one-device one (`_laid_out`); only a sharded engine
         # splits work (`context_mesh`).
         self._pinned = mesh is not None and set(MESH_AXES) <= set(mesh.axis_names)
+        self._sharded = self._pinned and mesh.size > 1
+        rows = batch_axes_for(self._slots, mesh) if self._sharded else ()
+        self._slot_shards = axis_size(mesh, rows) if rows else 1  # devices holding distinct slots
         traced = (lambda f: mesh_context(f, mesh)) if self._pinned else (lambda f: f)
         # One device: the state comes back as P() on the mesh whatever layout it met (an output left to
         # propagation took the spelling of a weight's spec, P('tensor', 'fsdp'), in some calls and not
