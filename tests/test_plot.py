@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ulorl_jax.config import config_to_yaml, load_config
-from ulorl_jax.plot import add_parser, plot_compare, plot_run, run_sigma
+from ulorl_jax.plot import add_parser, group_curves, plot_compare, plot_run, run_sigma
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL = {"reward.png", "entropy.png", "response_length.png", "pools.png"}
@@ -80,6 +80,25 @@ def test_plot_compare_overlays_runs(tmp_path):
         plot_compare([a, b], ["x"], tmp_path / "x.png")
     with pytest.raises(ValueError, match="'no_such_metric'"):
         plot_compare([a, b], None, tmp_path / "x.png", metric="no_such_metric")
+
+
+def test_group_curves_mean_and_range_of_trailing_means():
+    # Two seeds of one setting; the second logged step 3 only, so the group covers steps 1, 2, 4.
+    a = ([1, 2, 3, 4], [1.0, 3.0, 5.0, 7.0])
+    b = ([1, 2, 4], [3.0, 1.0, 2.0])
+    steps, mean, low, high = group_curves([a, b])
+    # trailing means (window 10 covers everything): a -> 1, 2, 3, 4 at steps 1-4; b -> 3, 2, 2 at 1, 2, 4
+    assert steps == [1, 2, 4]
+    np.testing.assert_allclose(mean, [2.0, 2.0, 3.0])
+    np.testing.assert_allclose(low, [1.0, 2.0, 2.0])
+    np.testing.assert_allclose(high, [3.0, 2.0, 4.0])
+
+
+def test_plot_compare_groups_runs_by_label(tmp_path):
+    runs = [_write_run(tmp_path / f"{mode}{seed}", _full_records(seed=seed, entropy_floor=floor), sigma=0.2)
+            for mode, floor in (("dmmpt", 0.2), ("none", 0.02)) for seed in range(3)]
+    out = plot_compare(runs, ["dmmpt"] * 3 + ["none"] * 3, tmp_path / "seeds.png")
+    assert _is_png(out)
 
 
 def test_cli_subcommand(tmp_path, capsys):

@@ -80,8 +80,9 @@ def _print_smoke_note(s: dict, full) -> None:
     print(f"This was a smoke run: {s['steps']} RL steps, held-out avg@{s['eval_k']} on {s['eval_prompts']} prompts "
           f"(one prompt more or less right moves it by {step:.3f}). It shows that the whole pipeline runs; it is "
           f"too short to show learning. The full `ulorl demo` ({full.trainer.total_steps} RL steps, avg@{full.eval.k} "
-          f"on {full_eval} held-out prompts, about 15 minutes on 2 CPU cores) is the run that "
-          f"shows RL's gain over the warm start and DMMPT holding the entropy near sigma; its measured figures are "
+          f"on {full_eval} held-out prompts, about 5 minutes on 2 idle CPU cores) is the run that "
+          f"shows RL's gain over the warm start (and, run with algorithm.mask_mode=none or mpt, how the masking "
+          f"modes compare); its measured figures are "
           f"in benchmarks/results/demo.md.")
 
 

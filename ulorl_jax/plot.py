@@ -5,7 +5,8 @@ Charts (each skipped with a message when its metrics are absent):
   entropy.png          entropy vs step with the DMMPT target σ (ULORL.md §3)
   response_length.png  histogram of response_lengths (last steps), else mean/max length vs step
   pools.png            unfinished / experience pool sizes vs step (ULORL.md §1)
-`plot_compare` overlays one metric (entropy by default) of several runs, e.g. DMMPT vs no masking.
+`plot_compare` overlays one metric (entropy by default) of several runs, e.g. DMMPT vs no masking; runs
+given the same label (seeds of one setting) become one mean line with their spread shaded.
 Metric names are listed in ulorl_jax/metrics.py.
 """
 
@@ -20,7 +21,7 @@ import yaml
 
 from ulorl_jax.metrics import read_metrics
 
-__all__ = ["plot_run", "plot_compare", "run_sigma", "add_parser"]
+__all__ = ["plot_run", "plot_compare", "group_curves", "run_sigma", "add_parser"]
 
 
 def _pyplot():
@@ -178,30 +179,48 @@ def plot_run(run_dir: str | os.PathLike, sigma: float | None = None, out_dir: st
     return written, skipped
 
 
+def group_curves(series: Sequence[tuple[Sequence[int], Sequence[float]]]) -> tuple[list[int], list[float],
+                                                                                    list[float], list[float]]:
+    """(steps, mean, low, high) over several runs' (steps, values) of one metric: each run's
+    trailing mean, then the mean, min and max across runs at every step all of them logged."""
+    smoothed = [dict(zip(steps, _trailing_mean(values))) for steps, values in series]
+    common = sorted(set.intersection(*(set(s) for s in smoothed))) if smoothed else []
+    columns = [[run[step] for run in smoothed] for step in common]
+    return (common, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns])
+
+
 def plot_compare(run_dirs: Sequence[str | os.PathLike], labels: Sequence[str] | None, out: str | os.PathLike,
                  metric: str = "entropy", sigma: float | None = None) -> Path:
-    """Overlay `metric` vs step of several runs in one PNG at `out` (e.g. DMMPT vs mask_mode=none)."""
+    """Overlay `metric` vs step of several runs in one PNG at `out` (e.g. DMMPT vs mask_mode=none).
+    Runs that share a label (seeds of one setting) are drawn as one line: the mean of their trailing
+    means, with the range across them shaded."""
     labels = list(labels) if labels else [Path(d).name for d in run_dirs]
     if len(labels) != len(run_dirs):
         raise ValueError(f"{len(run_dirs)} run folders but {len(labels)} labels")
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    plotted = 0
+    groups: dict[str, list] = {}
     for run_dir, label in zip(run_dirs, labels):
         steps, values = _series(read_metrics(run_dir), metric)
         if steps:
-            _plot_smoothed(ax, steps, values, label)
-            plotted += 1
+            groups.setdefault(label, []).append((steps, values))
         if sigma is None and metric == "entropy":
             sigma = run_sigma(run_dir)
-    if not plotted:
-        plt.close(fig)
+    if not groups:
         raise ValueError(f"none of {[str(d) for d in run_dirs]} has {metric!r} in its metrics.jsonl")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, series in groups.items():
+        if len(series) == 1:
+            _plot_smoothed(ax, *series[0], label)
+            continue
+        steps, mean, low, high = group_curves(series)
+        line, = ax.plot(steps, mean, label=f"{label} (mean of {len(series)} runs, {SMOOTH}-step means; "
+                                           "shaded: min-max)")
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     if sigma is not None and metric == "entropy":
         ax.axhline(sigma, color="tab:red", linestyle="--", label=f"σ = {sigma:g}")
     ax.set(xlabel="RL step", ylabel=metric, title=f"{metric} by run")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, out)
@@ -228,7 +247,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plot", help="charts of a run's metrics.jsonl (PNG files in RUN_DIR/plots/)",
         description="Reward and held-out accuracy, entropy with the σ line, response lengths and pool sizes "
                     "vs step, read from RUN_DIR/metrics.jsonl. Charts whose metrics are missing are skipped "
-                    "with a message. With --compare, overlay one metric of several runs.")
+                    "with a message. With --compare, overlay one metric of several runs (runs sharing a label: "
+                    "mean line, min-max shaded).")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run folder with metrics.jsonl")
     parser.add_argument("--sigma", type=float, default=None,
                         help="entropy target line (default: algorithm.sigma from RUN_DIR/config.yaml)")
@@ -236,7 +256,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="output folder (default RUN_DIR/plots); with --compare, the PNG file")
     parser.add_argument("--compare", nargs="+", metavar="OTHER_RUN", default=None,
                         help="other run folders to overlay with RUN_DIR in one chart")
-    parser.add_argument("--labels", nargs="+", default=None, help="legend labels, one per run (with --compare)")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="legend labels, one per run (with --compare); runs with the same label (seeds of "
+                             "one setting) are drawn as their mean with the min-max range shaded")
     parser.add_argument("--metric", default="entropy", help="metric to overlay with --compare (default entropy)")
     parser.set_defaults(func=_main)
     return parser
