@@ -437,7 +437,7 @@ class PolicyEngine:
         self.prefill_token_budget = int(prefill_token_budget)
         self.kv_cache = kv_cache
         self.page_size = int(page_size)
-        self.max_pages_per_slot = -(-self.max_cache_len // self.page_size)
+        self.max_pages_per_slot = pages_for(self.max_cache_len, self.page_size)
         # Default pool: the dense cache's memory (every slot can reach max_cache_len at once, nothing is
         # ever preempted); fewer pages, or more slots, trade that guarantee for samples in flight.
         self.num_pages = int(num_pages) if num_pages is not None else self._slots * self.max_pages_per_slot
