@@ -254,7 +254,8 @@ def add_parsers(sub) -> None:
     ev.set_defaults(func=_eval)
 
     demo = sub.add_parser(
-        "demo", help="the embedded CPU demo: a tiny Qwen3-MoE learns a synthetic task with UloRL (~5 min on 2 idle cores)",
+        "demo",
+        help="the embedded CPU demo: a tiny Qwen3-MoE learns a synthetic task with UloRL (~5 min on 2 idle cores)",
         description="Builds a tiny Qwen3-MoE policy and a character tokenizer locally, warm-starts it on "
                     "step-by-step traces that are sometimes wrong, then runs UloRL (segment rollout, POIS, DMMPT) "
                     "on 2 CPU cores. Prints held-out accuracy before and after RL, entropy against sigma and "

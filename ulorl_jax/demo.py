@@ -82,8 +82,7 @@ def _print_smoke_note(s: dict, full) -> None:
           f"too short to show learning. The full `ulorl demo` ({full.trainer.total_steps} RL steps, avg@{full.eval.k} "
           f"on {full_eval} held-out prompts, about 5 minutes on 2 idle CPU cores) is the run that "
           f"shows RL's gain over the warm start (and, run with algorithm.mask_mode=none or mpt, how the masking "
-          f"modes compare); its measured figures are "
-          f"in benchmarks/results/demo.md.")
+          f"modes compare); its measured figures are in benchmarks/results/demo.md.")
 
 
 def _tail_mean(records: list[dict], key: str, frac: float = 0.25) -> float | None:
