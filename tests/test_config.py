@@ -298,7 +298,8 @@ def test_property_any_override_is_accepted_or_config_error(key, value):
 
 
 @pytest.mark.parametrize("value, policy", [("dots", "dots"), ("dots_saveable", "dots_saveable"), ("none", "none"),
-                                           ("full", "full"), ("true", "full"), ("false", "none")])
+                                           ("full", "full"), ("attention", "attention"), ("true", "full"),
+                                           ("false", "none")])
 def test_every_remat_policy_reaches_the_learner_from_yaml(value, policy):
     from ulorl_jax.rl.build import learner_config
     from ulorl_jax.rl.learner import REMAT_POLICIES

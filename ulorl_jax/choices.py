@@ -10,7 +10,7 @@ MASK_MODES = ("none", "mpt", "dmmpt")
 ENTROPY_MODES = ("sample", "batch")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 # per-layer rematerialisation in the learner's backward pass (rl/learner.py REMAT_POLICIES)
-REMAT = ("none", "full", "dots", "dots_saveable")
+REMAT = ("none", "full", "dots", "dots_saveable", "attention")
 REWARD_KINDS = ("rule", "verifier", "custom")
 # rule kind: the last \boxed{} (the paper) or math-verify's own extraction
 EXTRACTIONS = ("boxed", "math_verify")

@@ -294,9 +294,12 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
     shape = ModelShape.from_model_config("model", mc)
     total, active = shape.params()
     tokens = rows * row_len
-    # Analytic: forward 2 N_active per token + causal attention; train = fwd + bwd (2x) + remat recompute (1x).
-    fwd = 2.0 * active * tokens + 2.0 * shape.layers * shape.heads * shape.head_dim * rows * row_len ** 2
-    remat = 4.0 if lc.remat != "none" else 3.0
+    # Analytic: forward 2 N_active per token + causal attention; train = fwd + bwd (2x) + remat recompute (1x),
+    # which `attention` skips for the attention (its output and log-sum-exp are kept).
+    dense_flops = 2.0 * active * tokens
+    attention_flops = 2.0 * shape.layers * shape.heads * shape.head_dim * rows * row_len ** 2
+    train_flops = ((4.0 if lc.remat != "none" else 3.0) * dense_flops
+                   + (4.0 if lc.remat not in ("none", "attention") else 3.0) * attention_flops)
     capacity = device_memory_gb * 1e9
     result = {
         "config": config_name, "devices": devices, "backend": jax.default_backend(),
@@ -306,8 +309,8 @@ def plan(cfg, devices: int, *, layers: str = "auto", seq_len: int | None = None,
                   "config_attention_impl": attention},
         "compiled_layers": list(train_counts), "extrapolated": len(train_counts) > 1, "scan_layers": scanned,
         "train": {**train, "micro_batch_rows": rows, "row_len": row_len, "tokens_per_micro_batch": tokens,
-                  "analytic_flops_per_micro_batch": remat * fwd,
-                  "analytic_flops_per_micro_batch_per_device": remat * fwd / devices},
+                  "analytic_flops_per_micro_batch": train_flops,
+                  "analytic_flops_per_micro_batch_per_device": train_flops / devices},
     }
     if decode is not None:
         result["decode_compiled_layers"] = list(decode_counts)

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from ulorl_jax import choices
 from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
 from ulorl_jax.bench import learner as bl
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--logprob-chunk", type=int, default=1024,
                    help="JAX learner's log-prob / entropy chunk in positions, at most the row length (default "
                         "1024, trainer.logprob_chunk's default; torch's step computes a row's logits at once)")
+    g.add_argument("--remat", choices=choices.REMAT, default="full",
+                   help="JAX learner's remat policy (default full, trainer.remat's default; torch eager keeps "
+                        "every activation, as `none` does)")
     g.add_argument("--iters", type=int, default=3, help="timed repetitions; median reported (default 3)")
     g.add_argument("--torch-compile", choices=["off", "learner", "all"], default="learner",
                    help="torch.compile the learner model (default), also the decode forward (all), or neither")
@@ -114,7 +118,7 @@ def run(args) -> dict:
     # -- learner step -------------------------------------------------------------------
     lconf = LearnerConfig(lr=1e-6, row_len=s["seq_len"], micro_batch_rows=1,
                           logprob_chunk=min(s["logprob_chunk"], s["seq_len"]),
-                          remat="full", mask_mode="dmmpt")
+                          remat=s["remat"], mask_mode="dmmpt")
     learner = Learner(jax_model, lconf)
     samples = bl.make_samples(ls, np)
     cases = {"jax": lambda: learner.update(samples), "torch_eager": bl.torch_step_fn(torch_model, samples, lconf, ls)}
@@ -253,7 +257,7 @@ def run_sweep(args) -> dict:
 def format_sweep(r: dict) -> str:
     lines = [f"ulorl bench compare sweep: learner step (UloRL loss + AdamW), {r['tokens_per_step']:,} tokens per step; "
              f"JAX on {r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}; "
-             f"attention_impl {r['settings']['attention_impl']}",
+             f"attention_impl {r['settings']['attention_impl']}, remat {r['settings']['remat']}",
              f"{'row':>6}{'rows':>6}{'JAX tok/s':>11}{'eager tok/s':>13}{'JAX/eager':>11}{'compile tok/s':>15}"
              f"{'JAX/compile':>13}{'JAX RSS MiB':>13}{'eager RSS MiB':>15}{'XLA temp MiB':>14}"]
     for row in r["rows"]:
@@ -277,8 +281,8 @@ def format_table(r: dict) -> str:
     dev = f"JAX on {r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}"
     lines = [f"ulorl bench compare: qwen3_moe {r['model']['params']:,} params (hidden {s['hidden_size']}, "
              f"{s['layers']} layers, {s['experts']} experts top-{s['top_k']}, vocab {s['vocab']}); {dev}",
-             "", f"learner step: {s['samples']} samples x {s['seq_len']} tokens, UloRL loss + AdamW, median of "
-                 f"{s['iters']}",
+             "", f"learner step: {s['samples']} samples x {s['seq_len']} tokens, UloRL loss + AdamW, JAX remat "
+                 f"{s['remat']}, median of {s['iters']}",
              f"{'':<16}{'step ms':>10}{'tokens/s':>11}{'JAX / it':>10}{'peak RSS MiB':>14}{'first call s':>14}"]
     for name in ("jax", "torch_eager", "torch_compile"):
         v = L.get(name, {})

@@ -26,7 +26,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ulorl_jax.models.attention_xla import AttentionMask, xla_attention  # noqa: F401  (re-exported)
+from ulorl_jax.models.attention_xla import (  # noqa: F401  (re-exported)
+    ATTENTION_LSE,
+    ATTENTION_OUT,
+    AttentionMask,
+    xla_attention,
+)
 from ulorl_jax.models.fallback import warn_once
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+# Checkpoint names (`jax.ad_checkpoint.checkpoint_name`) of every path's attention output and of the blockwise
+# path's log-sum-exp: the learner's remat policy `attention` saves them, so that the backward pass does not
+# rerun the O(T^2) attention forward.
+ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionMask:

@@ -23,8 +23,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from ulorl_jax.models.attention import (
+    ATTENTION_OUT,
     AttentionMask,
     get_attention_impl,
     paged_attention,
@@ -111,6 +113,7 @@ class Attention(nnx.Module):
             new_kv = (k, v)
             k, v = k.astype(dt), v.astype(dt)
         out = get_attention_impl(self.config.attention_impl)(q, k, v, mask)  # [B, T, H, Dh]
+        out = checkpoint_name(out, ATTENTION_OUT)  # kept by the remat policy `attention`
         return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), new_kv
 
     def _paged(self, q, k, v, mask: AttentionMask, kv: PagedLayerKV, dt):

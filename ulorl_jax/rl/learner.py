@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulorl_jax import choices
+from ulorl_jax.models.attention import ATTENTION_LSE, ATTENTION_OUT
 from ulorl_jax.models.config import ConfigError
 from ulorl_jax.models.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.options import CHOICES, RANGES, check_option
@@ -76,6 +77,9 @@ REMAT_POLICIES: dict[str, Any] = {
     "full": jax.checkpoint_policies.nothing_saveable,  # per layer: save only the layer input
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # save weight matmuls, recompute the rest
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    # per layer: the layer input, the attention output and its log-sum-exp; the backward reruns the layer's
+    # O(T) matmuls but not the O(T^2) attention forward
+    "attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, ATTENTION_LSE),
 }
 assert tuple(REMAT_POLICIES) == choices.REMAT, "choices.REMAT names the policies"
 
