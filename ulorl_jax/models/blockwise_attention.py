@@ -9,7 +9,8 @@ probabilities from the saved log-sum-exp, so the backward holds O(T x block) too
 query block (decode, short rows) take the plain materialised path, which is exactly the same math and
 faster there.
 
-Three things keep the plain-XLA tiles fast on CPU (2x over the first version at 8k-token rows):
+Three things keep the plain-XLA tiles fast on CPU (at 8k-token rows, forward 2x and forward + backward
+1.5x faster than the first version; benchmarks/results/compare.md):
 - the tiles are laid out once as [B, Hkv, G * block, D] (the G query heads of one KV head stacked on the
   rows), so every tile product is a plain batched matmul with no transpose inside the loop;
 - a tile the causal rule rules out entirely is skipped, and a tile in which every query sees every key
