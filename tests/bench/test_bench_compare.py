@@ -31,11 +31,13 @@ def test_compare_runs_side_by_side(capsys):
     assert D["greedy_token_agreement"] == 1.0  # the README and compare.md claim 100 %
     assert r["backend"]["jax"] == "cpu"
     assert "learner step" in "\n".join(out)
+    assert "forward" not in r  # only with --forward (or in the sweep)
 
 
 @pytest.mark.slow
 def test_sequence_length_sweep_keeps_tokens_per_step(capsys):
-    """`--sweep-seq-lens`: the learner step at each row length, same tokens per step, one table and JSON."""
+    """`--sweep-seq-lens`: the learner step and the forward at each row length, same tokens per step, one
+    table each and JSON."""
     from ulorl_jax.cli import main
 
     rc = main(["bench", "compare", "--sweep-seq-lens", "32,64", "--sweep-tokens", "128", "--hidden-size", "32",
@@ -50,5 +52,12 @@ def test_sequence_length_sweep_keeps_tokens_per_step(capsys):
         assert row["samples"] * row["seq_len"] == 128
         assert L["jax"]["tokens_per_s"] == pytest.approx(128 / L["jax"]["median_s"])
         assert L["ratio_jax_over_torch_eager"] == pytest.approx(L["jax"]["tokens_per_s"] / L["torch_eager"]["tokens_per_s"])
-    assert "JAX/eager" in "\n".join(out)
+        F = row["forward"]
+        for side in ("jax", "torch_eager"):
+            assert F[side]["tokens_per_s"] == pytest.approx(128 / F[side]["median_s"])
+            assert F[side]["peak_rss_growth_bytes"] >= 0
+        assert F["ratio_jax_over_torch_eager"] == pytest.approx(
+            F["jax"]["tokens_per_s"] / F["torch_eager"]["tokens_per_s"])
+    text = "\n".join(out)
+    assert "JAX/eager" in text and "forward to logits" in text
     assert main(["bench", "compare", "--sweep-seq-lens", "30", "--sweep-tokens", "128"]) == 2  # 30 does not divide 128

@@ -75,6 +75,29 @@ def test_chunked_matches_full_backward():
     np.testing.assert_allclose(gw, gw_ref, rtol=1e-4, atol=1e-5)
 
 
+def test_backward_with_temperature_and_bf16_params():
+    """The closed-form cotangent (models/logprobs.py) scales by the temperature and returns each input's dtype."""
+    hidden, lm_head, targets = make_inputs(5, 2, 29, 16, 97)
+    rng = np.random.default_rng(6)
+    w_lp, w_ent = (rng.normal(size=(2, 29)).astype(np.float32) for _ in range(2))
+
+    def grads(fn, h, w, **kw):
+        objective = functools.partial(_objective, functools.partial(fn, **kw))
+        return jax.jit(jax.grad(objective, argnums=(0, 1)))(h, w, targets, w_lp, w_ent)
+
+    chunked = functools.partial(chunked_logprobs_and_entropy, chunk_size=8)
+    for got, want in zip(grads(chunked, hidden, lm_head, temperature=0.7),
+                         grads(full_logprobs_and_entropy, hidden, lm_head, temperature=0.7)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    h16, w16 = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(lm_head, jnp.bfloat16)
+    got = grads(chunked, h16, w16, compute_dtype=jnp.bfloat16)
+    want = grads(full_logprobs_and_entropy, hidden, lm_head)
+    assert [g.dtype for g in got] == [jnp.bfloat16, jnp.bfloat16]
+    for g, ref in zip(got, want):  # bf16 inputs and matmuls: a few per cent of the largest entry
+        np.testing.assert_allclose(np.asarray(g, np.float32), ref, atol=0.05 * float(np.abs(ref).max()))
+
+
 def test_argument_errors():
     hidden, lm_head, targets = make_inputs(0, 1, 4, 8, 16)
     with pytest.raises(ValueError, match="targets has shape"):

@@ -7,6 +7,9 @@ builder), loads the same weights into ours, and measures, interleaved:
   learner step (forward + backward + AdamW, the UloRL loss of bench/learner.py
   on the same samples): JAX `Learner.update` vs PyTorch eager, and PyTorch with
   `torch.compile` on the model (inductor) where it compiles;
+  forward to logits (`--forward`; on in the sweep): the model on the learner's
+  rows in one call, JAX `nnx.jit` vs PyTorch eager / compiled under
+  `inference_mode`;
   decode (greedy, fixed length, KV cache): our `PolicyEngine.run` vs
   transformers `generate` eager (and `torch.compile`d forward with a static
   cache with `--torch-compile all`).
@@ -18,7 +21,6 @@ first-call (compile) times, the backend (CPU here; GPU when one is present).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -58,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="device of the torch side (default cpu; JAX uses its default backend)")
     g.add_argument("--seed", type=int, default=0, help="default 0")
-    g.add_argument("--skip-decode", action="store_true", help="learner step only")
+    g.add_argument("--skip-decode", action="store_true", help="no decode comparison")
+    g.add_argument("--forward", action="store_true",
+                   help="also time the model forward to logits on the learner's rows (on in the sweep)")
     g = parser.add_argument_group("sequence-length sweep")
     g.add_argument("--sweep-seq-lens", default=None, metavar="L1,L2,...",
                    help="learner step at each row length with the same total tokens (e.g. 256,2048,8192), "
@@ -122,7 +126,7 @@ def run(args) -> dict:
     learner = Learner(jax_model, lconf)
     samples = bl.make_samples(ls, np)
     cases = {"jax": lambda: learner.update(samples), "torch_eager": bl.torch_step_fn(torch_model, samples, lconf, ls)}
-    compile_note = "off"
+    compile_note, compiled_model = "off", None
     if s["torch_compile"] in ("learner", "all"):
         try:
             compiled_model = torch.compile(torch_compiled_src)
@@ -130,40 +134,15 @@ def run(args) -> dict:
             compile_note = "ok"
         except Exception as err:  # noqa: BLE001  (reported, not fatal)
             compile_note = f"failed: {type(err).__name__}: {err}"[:300]
-    first = {}
-    for name in list(cases):
-        t0 = time.perf_counter()
-        try:
-            cases[name]()
-        except Exception as err:  # noqa: BLE001  (torch.compile errors surface at the first call)
-            if name != "torch_compile":
-                raise
-            compile_note = f"failed: {type(err).__name__}: {str(err)[:240]}"
-            del cases[name]
-            continue
-        first[name] = time.perf_counter() - t0
-    times = {k: [] for k in cases}
-    peak = {k: 0 for k in cases}
     cpu_before = harness.cpu_sample()
-    for _ in range(s["iters"]):
-        for name, fn in cases.items():
-            with harness.PeakRSS() as rss:
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-            peak[name] = max(peak[name], rss.growth)
-    temp = int(learner.lower_update(samples).compile()
-               .memory_analysis().temp_size_in_bytes)
-    n_tok = s["samples"] * s["seq_len"]
-    learn = {name: {**harness.timing_stats(times[name], n_tok), "first_call_s": first[name],
-                    "peak_rss_growth_bytes": peak[name]} for name in cases}
-    learn["jax"]["xla_temp_bytes"] = temp
-    for name in cases:
-        if name != "jax":
-            learn[f"ratio_jax_over_{name}"] = learn["jax"]["tokens_per_s"] / learn[name]["tokens_per_s"]
-    learn["torch_compile"] = learn.get("torch_compile", {}) | {"status": compile_note}
+    learn, _ = _time_cases(cases, s["iters"], s["samples"] * s["seq_len"], compile_note)
+    learn["jax"]["xla_temp_bytes"] = int(learner.lower_update(samples).compile()
+                                         .memory_analysis().temp_size_in_bytes)
     result["learner_step"] = learn
 
+    if s["forward"]:
+        result["forward"] = _forward(s, learner.model, torch_model, compiled_model if "torch_compile" in cases
+                                     else None)
     if s["skip_decode"]:
         machine = harness.machine_info()
         machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(),
@@ -197,33 +176,8 @@ def run(args) -> dict:
             dnote = "ok"
         except Exception as err:  # noqa: BLE001
             dnote = f"failed: {type(err).__name__}: {str(err)[:240]}"
-    dfirst = {}
-    for name in list(dcases):
-        t0 = time.perf_counter()
-        try:
-            dcases[name]()
-        except Exception as err:  # noqa: BLE001
-            if name != "torch_compile":
-                raise
-            dnote = f"failed: {type(err).__name__}: {str(err)[:240]}"
-            del dcases[name]
-            continue
-        dfirst[name] = time.perf_counter() - t0
-    dtimes = {k: [] for k in dcases}
-    last = {}
-    for _ in range(s["iters"]):
-        for name, fn in dcases.items():
-            t0 = time.perf_counter()
-            last[name] = fn()
-            dtimes[name].append(time.perf_counter() - t0)
+    dec, last = _time_cases(dcases, s["iters"], b * n, dnote)
     background = harness.background_load(cpu_before, harness.cpu_sample())
-    gen = b * n
-    dec = {name: {"median_s": statistics.median(v), "tokens_per_s": gen / statistics.median(v),
-                  "first_call_s": dfirst[name]} for name, v in dtimes.items()}
-    for name in dcases:
-        if name != "jax":
-            dec[f"ratio_jax_over_{name}"] = dec["jax"]["tokens_per_s"] / dec[name]["tokens_per_s"]
-    dec["torch_compile"] = dec.get("torch_compile", {}) | {"status": dnote}
     ours = np.array([c.tokens for c in last["jax"][0]])  # [B, N]
     # Both models took the same number of identical updates (lr 1e-6), so greedy tokens should agree.
     dec["greedy_token_agreement"] = float(np.mean(ours == last["torch_eager"][:, p_len:].numpy()))
@@ -232,6 +186,69 @@ def run(args) -> dict:
     machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(), cpu_during_timing=background)
     result["machine"] = machine
     return result
+
+
+def _time_cases(cases: dict, iters: int, n_tokens: int, compile_note: str) -> tuple[dict, dict]:
+    """One first call each (JAX compiles, torch.compile compiles: a failure there is reported, not raised),
+    then `iters` interleaved timed calls -> ({name: timing stats + first call + peak RSS growth, ratios,
+    "torch_compile": {"status": ...}}, {name: the last call's result})."""
+    first = {}
+    for name in list(cases):
+        t0 = time.perf_counter()
+        try:
+            cases[name]()
+        except Exception as err:  # noqa: BLE001  (torch.compile errors surface at the first call)
+            if name != "torch_compile":
+                raise
+            compile_note = f"failed: {type(err).__name__}: {str(err)[:240]}"
+            del cases[name]
+            continue
+        first[name] = time.perf_counter() - t0
+    times = {k: [] for k in cases}
+    peak = {k: 0 for k in cases}
+    last = {}
+    for _ in range(iters):
+        for name, fn in cases.items():
+            with harness.PeakRSS() as rss:
+                t0 = time.perf_counter()
+                last[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+            peak[name] = max(peak[name], rss.growth)
+    out = {name: {**harness.timing_stats(times[name], n_tokens), "first_call_s": first[name],
+                  "peak_rss_growth_bytes": peak[name]} for name in cases}
+    for name in cases:
+        if name != "jax":
+            out[f"ratio_jax_over_{name}"] = out["jax"]["tokens_per_s"] / out[name]["tokens_per_s"]
+    out["torch_compile"] = out.get("torch_compile", {}) | {"status": compile_note}
+    return out, last
+
+
+def _forward(s: dict, jax_model, torch_model, torch_compiled) -> dict:
+    """The model forward to logits on the learner's rows (all of them in one call): JAX `nnx.jit` vs torch
+    under `inference_mode`, eager and (when the learner's compiled) `torch.compile`d."""
+    import jax
+    import numpy as np
+    import torch
+    from flax import nnx
+
+    tokens = np.random.default_rng(s["seed"] + 2).integers(0, s["vocab"], size=(s["samples"], s["seq_len"]))
+    tokens_jax = jax.numpy.asarray(tokens, jax.numpy.int32)
+    tokens_torch = torch.as_tensor(tokens, dtype=torch.long, device=next(torch_model.parameters()).device)
+    jax_forward = nnx.jit(lambda model, t: model(t))
+
+    def torch_forward(model):
+        with torch.inference_mode():
+            logits = model(input_ids=tokens_torch).logits
+        if tokens_torch.device.type == "cuda":
+            torch.cuda.synchronize()
+        return logits
+
+    cases = {"jax": lambda: jax.block_until_ready(jax_forward(jax_model, tokens_jax)),
+             "torch_eager": lambda: torch_forward(torch_model)}
+    if torch_compiled is not None:
+        cases["torch_compile"] = lambda: torch_forward(torch_compiled)
+    note = "ok" if torch_compiled is not None else "off"
+    return _time_cases(cases, s["iters"], s["samples"] * s["seq_len"], note)[0]
 
 
 def run_sweep(args) -> dict:
@@ -246,30 +263,34 @@ def run_sweep(args) -> dict:
     rows = []
     for length in lengths:
         one = argparse.Namespace(**{**vars(args), "seq_len": length, "samples": args.sweep_tokens // length,
-                                    "skip_decode": True})
+                                    "skip_decode": True, "forward": True})
         r = run(one)
-        L = r["learner_step"]
-        rows.append({"seq_len": length, "samples": one.samples, "learner_step": L, "machine": r["machine"]})
+        rows.append({"seq_len": length, "samples": one.samples, "learner_step": r["learner_step"],
+                     "forward": r["forward"], "machine": r["machine"]})
     return {"bench": "compare-sweep", "tokens_per_step": args.sweep_tokens, "settings": settings(args),
             "backend": r["backend"], "model": r["model"], "rows": rows}
 
 
 def format_sweep(r: dict) -> str:
-    lines = [f"ulorl bench compare sweep: learner step (UloRL loss + AdamW), {r['tokens_per_step']:,} tokens per step; "
-             f"JAX on {r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}; "
-             f"attention_impl {r['settings']['attention_impl']}, remat {r['settings']['remat']}",
-             f"{'row':>6}{'rows':>6}{'JAX tok/s':>11}{'eager tok/s':>13}{'JAX/eager':>11}{'compile tok/s':>15}"
-             f"{'JAX/compile':>13}{'JAX RSS MiB':>13}{'eager RSS MiB':>15}{'XLA temp MiB':>14}"]
-    for row in r["rows"]:
-        L = row["learner_step"]
-        comp = L.get("torch_compile", {})
-        lines.append(
-            f"{row['seq_len']:>6}{row['samples']:>6}{L['jax']['tokens_per_s']:>11,.0f}"
-            f"{L['torch_eager']['tokens_per_s']:>13,.0f}{L['ratio_jax_over_torch_eager']:>11.2f}"
-            + (f"{comp['tokens_per_s']:>15,.0f}{L['ratio_jax_over_torch_compile']:>13.2f}" if "tokens_per_s" in comp
-               else f"{'-':>15}{'-':>13}")
-            + f"{L['jax']['peak_rss_growth_bytes'] / 2**20:>13.1f}"
-              f"{L['torch_eager']['peak_rss_growth_bytes'] / 2**20:>15.1f}{L['jax']['xla_temp_bytes'] / 2**20:>14.1f}")
+    lines = [f"ulorl bench compare sweep: {r['tokens_per_step']:,} tokens per step; JAX on "
+             f"{r['backend']['jax'].upper()}, torch on {r['backend']['torch'].upper()}; attention_impl "
+             f"{r['settings']['attention_impl']}, remat {r['settings']['remat']}"]
+    for key, title in (("learner_step", "learner step (UloRL loss + AdamW)"), ("forward", "forward to logits")):
+        lines += ["", title,
+                  f"{'row':>6}{'rows':>6}{'JAX tok/s':>11}{'eager tok/s':>13}{'JAX/eager':>11}{'compile tok/s':>15}"
+                  f"{'JAX/compile':>13}{'JAX RSS MiB':>13}{'eager RSS MiB':>15}"
+                  + (f"{'XLA temp MiB':>14}" if key == "learner_step" else "")]
+        for row in r["rows"]:
+            L = row[key]
+            comp = L.get("torch_compile", {})
+            lines.append(
+                f"{row['seq_len']:>6}{row['samples']:>6}{L['jax']['tokens_per_s']:>11,.0f}"
+                f"{L['torch_eager']['tokens_per_s']:>13,.0f}{L['ratio_jax_over_torch_eager']:>11.2f}"
+                + (f"{comp['tokens_per_s']:>15,.0f}{L['ratio_jax_over_torch_compile']:>13.2f}"
+                   if "tokens_per_s" in comp else f"{'-':>15}{'-':>13}")
+                + f"{L['jax']['peak_rss_growth_bytes'] / 2**20:>13.1f}"
+                  f"{L['torch_eager']['peak_rss_growth_bytes'] / 2**20:>15.1f}"
+                + (f"{L['jax']['xla_temp_bytes'] / 2**20:>14.1f}" if key == "learner_step" else ""))
     mc = r["rows"][-1]["machine"]
     lines.append(f"machine: {mc['cpu']}, {mc['cpus_usable']} usable CPUs; JAX {mc['jax']}, torch {mc['torch']}; "
                  f"{mc['date']}")
@@ -293,6 +314,16 @@ def format_table(r: dict) -> str:
                      f"{v['peak_rss_growth_bytes'] / 2**20:>14.1f}{v['first_call_s']:>14.1f}")
     lines.append(f"torch.compile (learner): {L['torch_compile']['status']}; JAX XLA temp buffers "
                  f"{L['jax']['xla_temp_bytes'] / 2**20:.1f} MiB")
+    if "forward" in r:
+        F = r["forward"]
+        lines += ["", f"forward to logits: {s['samples']} x {s['seq_len']} tokens in one call, median of {s['iters']}",
+                  f"{'':<16}{'call ms':>10}{'tokens/s':>11}{'JAX / it':>10}{'peak RSS MiB':>14}{'first call s':>14}"]
+        for name in ("jax", "torch_eager", "torch_compile"):
+            v = F.get(name, {})
+            if "tokens_per_s" in v:
+                lines.append(f"{name:<16}{v['median_s'] * 1e3:>10.1f}{v['tokens_per_s']:>11,.0f}"
+                             f"{F.get(f'ratio_jax_over_{name}', 1.0):>10.2f}"
+                             f"{v['peak_rss_growth_bytes'] / 2**20:>14.1f}{v['first_call_s']:>14.1f}")
     if "decode" not in r:
         return "\n".join(lines)
     D = r["decode"]

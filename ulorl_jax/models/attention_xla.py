@@ -37,6 +37,25 @@ class AttentionMask:
         return same_segment & causal
 
 
+@jax.custom_vjp
+def _softmax(scores: jnp.ndarray) -> jnp.ndarray:
+    """`jax.nn.softmax` over the last axis, whose backward takes the row sum Σ_s g_s y_s as a contraction:
+    XLA:CPU runs autodiff's fused reduce(g * y) over [B, K, G, T, S] about 5x slower (jax 0.10.2)."""
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _softmax_fwd(scores):
+    probs = jax.nn.softmax(scores, axis=-1)
+    return probs, probs
+
+
+def _softmax_bwd(probs, g):
+    return (probs * (g - jnp.einsum("...s,...s->...", g, probs)[..., None]),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
 def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
@@ -44,6 +63,6 @@ def xla_attention(q, k, v, mask: AttentionMask) -> jnp.ndarray:
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
     allowed = mask.dense()[:, None, None, :, :]  # [B, 1, 1, T, S]
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    probs = _softmax(scores).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, tq, hq, d)

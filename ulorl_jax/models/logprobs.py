@@ -2,9 +2,16 @@
 
 At 128k output tokens and a 152k vocab the logits of one sample alone are
 ~80 GB in float32, so the learner never builds them whole: `lax.scan` walks
-the sequence in chunks of `chunk_size` positions, and `jax.checkpoint` on the
-chunk body makes the backward pass recompute each chunk's logits instead of
-saving them. Peak temp memory is then O(B · chunk · V), independent of T.
+the sequence in chunks of `chunk_size` positions, and a custom VJP saves only
+each position's log-sum-exp and entropy; the backward pass recomputes a
+chunk's logits once and forms their cotangent in closed form,
+
+    d z_k = g_lp · ([k = y] − p_k) − g_H · p_k · (log p_k + H),
+
+instead of differentiating the softmax op by op. Peak temp memory is then
+O(B · chunk · V), independent of T. (The closed form also avoids XLA:CPU's
+slow fused `sum(exp(x) * x)` over a [1, C, V] array: the sums over V here are
+contractions.)
 
 Entropy is H = −Σ_j p_j log p_j over the full vocabulary; its per-sample mean
 over response tokens is the H̄_i of the DMMPT test (ULORL.md §3).
@@ -15,6 +22,7 @@ against, forward and backward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -95,19 +103,74 @@ def chunked_logprobs_and_entropy(
     # Scan over the chunk axis: [B, N*C, D] -> [N, B, C, D].
     hidden_chunks = hidden.reshape(b, num_chunks, chunk, d).swapaxes(0, 1)
     target_chunks = targets.reshape(b, num_chunks, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint  # backward recomputes this chunk's [B, C, V] logits instead of storing them
-    def chunk_fn(lm_head: jnp.ndarray, h: jnp.ndarray, y: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-        return _logprobs_and_entropy_from_logits(_logits(h, lm_head, compute_dtype, temperature), y)
-
-    def body(carry: None, xs: tuple[jnp.ndarray, jnp.ndarray]):
-        h, y = xs
-        return carry, chunk_fn(lm_head, h, y)
-
-    _, (logp, entropy) = jax.lax.scan(body, None, (hidden_chunks, target_chunks))  # [N, B, C] each
+    logp, entropy = _chunked(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature)  # [N, B, C] each
     logp = logp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
     entropy = entropy.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
     return logp, entropy
+
+
+def _chunk_stats(h: jnp.ndarray, lm_head: jnp.ndarray, y: jnp.ndarray, compute_dtype: DType,
+                 temperature: float) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """One chunk, h [..., D], y [...] -> (log p(y), entropy, log-sum-exp), each [...] float32."""
+    z = _logits(h, lm_head, compute_dtype, temperature)  # [..., V] float32
+    m = jnp.max(z, axis=-1)
+    e = jnp.exp(z - m[..., None])
+    total = jnp.sum(e, axis=-1)
+    lse = m + jnp.log(total)
+    z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
+    entropy = lse - jnp.einsum("...v,...v->...", e, z) / total  # H = lse − Σ p z
+    return z_y - lse, entropy, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature):
+    """[N, B, C, D] chunks -> (log p(target), entropy), each [N, B, C]; see the module docstring."""
+    logp, entropy, _ = _chunked_forward(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature)
+    return logp, entropy
+
+
+def _chunked_forward(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature):
+    def body(carry, xs):
+        return carry, _chunk_stats(xs[0], lm_head, xs[1], compute_dtype, temperature)
+
+    n, b, c, d = hidden_chunks.shape  # one [B·C, D] matrix per chunk: XLA:CPU's fast 2-D reductions
+    _, stats = jax.lax.scan(body, None, (hidden_chunks.reshape(n, b * c, d), target_chunks.reshape(n, b * c)))
+    return tuple(x.reshape(n, b, c) for x in stats)
+
+
+def _chunked_fwd(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature):
+    logp, entropy, lse = _chunked_forward(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature)
+    return (logp, entropy), (hidden_chunks, lm_head, target_chunks, lse, entropy)
+
+
+def _chunked_bwd(compute_dtype, temperature, residuals, cotangents):
+    hidden_chunks, lm_head, target_chunks, lse, entropy = residuals
+    g_logp, g_entropy = cotangents
+    w = lm_head.astype(compute_dtype)
+    vocab = jnp.arange(lm_head.shape[1], dtype=jnp.int32)
+
+    def body(d_lm_head, xs):
+        h, y, lse_c, ent_c, g_lp, g_h = xs  # [B·C, D], then [B·C] each
+        z = _logits(h, lm_head, compute_dtype, temperature)
+        p = jnp.exp(z - lse_c[..., None])
+        # dz = g_lp ([k = y] − p) − g_H p (z − lse + H), folded as −p (a + g_H z) + g_lp [k = y]
+        a = g_lp + g_h * (ent_c - lse_c)
+        dz = jnp.where(vocab == y[..., None], g_lp[..., None], 0.0) - p * (a[..., None] + g_h[..., None] * z)
+        dz = (dz / temperature).astype(compute_dtype)
+        dh = jnp.einsum("tv,dv->td", dz, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        d_lm_head = d_lm_head + jnp.einsum("td,tv->dv", h.astype(compute_dtype), dz,
+                                           preferred_element_type=jnp.float32)
+        return d_lm_head, dh
+
+    n, b, c, d = hidden_chunks.shape
+    per_token = (target_chunks, lse, entropy, g_logp, g_entropy)
+    d_lm_head, d_hidden = jax.lax.scan(
+        body, jnp.zeros(lm_head.shape, jnp.float32),
+        (hidden_chunks.reshape(n, b * c, d), *(x.reshape(n, b * c) for x in per_token)))
+    return d_hidden.reshape(n, b, c, d), d_lm_head.astype(lm_head.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def sample_mean_entropy(entropy: jnp.ndarray, response_mask: jnp.ndarray) -> jnp.ndarray:
