@@ -98,7 +98,7 @@ class PeakRSS:
 
     The C heap is trimmed first: memory that earlier work freed but the allocator kept would otherwise be
     reused without showing as growth, hiding the block's working set (PyTorch's CPU tensors come from that
-    heap: a forward's temporaries at 8k tokens read 64 MiB untrimmed, 146-159 MiB trimmed)."""
+    heap: its forward at 8k tokens read 64 MiB untrimmed, 146-183 MiB trimmed, in `ulorl bench compare`)."""
 
     def __enter__(self):
         _trim_c_heap()
