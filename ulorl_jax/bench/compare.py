@@ -141,8 +141,8 @@ def run(args) -> dict:
     result["learner_step"] = learn
 
     if s["forward"]:
-        result["forward"] = _forward(s, learner.model, torch_model, compiled_model if "torch_compile" in cases
-                                     else None)
+        compiled_ran = "tokens_per_s" in learn["torch_compile"]  # created, and its first call compiled
+        result["forward"] = _forward(s, learner.model, torch_model, compiled_model if compiled_ran else None)
     if s["skip_decode"]:
         machine = harness.machine_info()
         machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(),

@@ -100,12 +100,12 @@ def chunked_logprobs_and_entropy(
     pad = num_chunks * chunk - t
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
     targets = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad)))
-    # Scan over the chunk axis: [B, N*C, D] -> [N, B, C, D].
-    hidden_chunks = hidden.reshape(b, num_chunks, chunk, d).swapaxes(0, 1)
-    target_chunks = targets.reshape(b, num_chunks, chunk).swapaxes(0, 1)
-    logp, entropy = _chunked(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature)  # [N, B, C] each
-    logp = logp.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
-    entropy = entropy.swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
+    # Scan over the chunk axis, each chunk one [B·C, D] matrix: [B, N*C, D] -> [N, B·C, D].
+    hidden_chunks = hidden.reshape(b, num_chunks, chunk, d).swapaxes(0, 1).reshape(num_chunks, b * chunk, d)
+    target_chunks = targets.reshape(b, num_chunks, chunk).swapaxes(0, 1).reshape(num_chunks, b * chunk)
+    stats = _chunked(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature)  # [N, B·C] each
+    logp, entropy = (x.reshape(num_chunks, b, chunk).swapaxes(0, 1).reshape(b, num_chunks * chunk)[:, :t]
+                     for x in stats)
     return logp, entropy
 
 
@@ -124,7 +124,7 @@ def _chunk_stats(h: jnp.ndarray, lm_head: jnp.ndarray, y: jnp.ndarray, compute_d
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _chunked(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature):
-    """[N, B, C, D] chunks -> (log p(target), entropy), each [N, B, C]; see the module docstring."""
+    """[N, B·C, D] chunks -> (log p(target), entropy), each [N, B·C]; see the module docstring."""
     logp, entropy, _ = _chunked_forward(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature)
     return logp, entropy
 
@@ -133,9 +133,8 @@ def _chunked_forward(hidden_chunks, lm_head, target_chunks, compute_dtype, tempe
     def body(carry, xs):
         return carry, _chunk_stats(xs[0], lm_head, xs[1], compute_dtype, temperature)
 
-    n, b, c, d = hidden_chunks.shape  # one [B·C, D] matrix per chunk: XLA:CPU's fast 2-D reductions
-    _, stats = jax.lax.scan(body, None, (hidden_chunks.reshape(n, b * c, d), target_chunks.reshape(n, b * c)))
-    return tuple(x.reshape(n, b, c) for x in stats)
+    _, stats = jax.lax.scan(body, None, (hidden_chunks, target_chunks))
+    return stats
 
 
 def _chunked_fwd(hidden_chunks, lm_head, target_chunks, compute_dtype, temperature):
@@ -151,7 +150,7 @@ def _chunked_bwd(compute_dtype, temperature, residuals, cotangents):
 
     def body(d_lm_head, xs):
         h, y, lse_c, ent_c, g_lp, g_h = xs  # [B·C, D], then [B·C] each
-        z = _logits(h, lm_head, compute_dtype, temperature)
+        z = _logits(h, w, compute_dtype, temperature)
         p = jnp.exp(z - lse_c[..., None])
         # dz = g_lp ([k = y] − p) − g_H p (z − lse + H), folded as −p (a + g_H z) + g_lp [k = y]
         a = g_lp + g_h * (ent_c - lse_c)
@@ -162,12 +161,9 @@ def _chunked_bwd(compute_dtype, temperature, residuals, cotangents):
                                            preferred_element_type=jnp.float32)
         return d_lm_head, dh
 
-    n, b, c, d = hidden_chunks.shape
-    per_token = (target_chunks, lse, entropy, g_logp, g_entropy)
-    d_lm_head, d_hidden = jax.lax.scan(
-        body, jnp.zeros(lm_head.shape, jnp.float32),
-        (hidden_chunks.reshape(n, b * c, d), *(x.reshape(n, b * c) for x in per_token)))
-    return d_hidden.reshape(n, b, c, d), d_lm_head.astype(lm_head.dtype), None
+    d_lm_head, d_hidden = jax.lax.scan(body, jnp.zeros(lm_head.shape, jnp.float32),
+                                       (hidden_chunks, target_chunks, lse, entropy, g_logp, g_entropy))
+    return d_hidden, d_lm_head.astype(lm_head.dtype), None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
