@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 from hf_utils import hf_logits, random_tokens, save_hf_model
+from ulorl_jax.models import qwen3
 from ulorl_jax.models.hf import from_pretrained
 
 ATOL = 1e-4
@@ -44,6 +45,15 @@ def test_logits_match_transformers(pair):
     got = np.asarray(ours(jnp.asarray(tokens)))
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
+
+
+def test_logits_in_pieces_match_transformers(pair, monkeypatch):
+    """On CPU, more than CPU_LOGITS_PIECE positions take the logits in pieces of the token axis (here 6,
+    6 and 5 of 17): the concatenation must equal transformers' one matmul."""
+    name, hf, ours = pair
+    monkeypatch.setattr(qwen3, "CPU_LOGITS_PIECE", 24)  # read at trace time; 4 x 17 is a new shape
+    tokens = random_tokens(4, 17)
+    np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

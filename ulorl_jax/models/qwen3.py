@@ -161,6 +161,23 @@ class DecoderLayer(nnx.Module):
         return x + h, new_kv, router_logits
 
 
+# On CPU, the full logits of more than this many positions are computed in pieces of the token axis of
+# about this many positions each. As one matmul, XLA:CPU fuses the final norm into it and holds a second
+# logits-sized buffer outside its own accounting: `model(tokens)` at 1 x 8,192 positions, vocab 2,048 grew
+# RSS by 193 MiB, in pieces by 133, and ran no slower (benchmarks/results/compare.md).
+CPU_LOGITS_PIECE = 4096
+
+
+def project_logits(hidden: jnp.ndarray, lm_head: jnp.ndarray) -> jnp.ndarray:
+    """hidden [B, T, D] @ lm_head [D, V] -> logits [B, T, V]; in pieces of the T axis on CPU (see
+    CPU_LOGITS_PIECE; other backends' compilers place one matmul's output well)."""
+    b, t, _ = hidden.shape
+    if jax.default_backend() != "cpu" or b * t <= CPU_LOGITS_PIECE:
+        return hidden @ lm_head
+    step = max(1, CPU_LOGITS_PIECE // b)
+    return jnp.concatenate([hidden[:, i:i + step] @ lm_head for i in range(0, t, step)], axis=1)
+
+
 def positions_from_segments(segment_ids: jnp.ndarray) -> jnp.ndarray:
     """Positions restarting at 0 at each new segment: [B, T] -> [B, T]."""
     t = segment_ids.shape[1]
@@ -228,7 +245,7 @@ class Qwen3ForCausalLM(nnx.Module):
         cos, sin = self._rope(positions, x.dtype)
         x, router_logits = self._packed_layers(x, cos, sin, segment_ids, remat_policy, scan)
         hidden = self.norm(x)
-        logits = hidden @ self.lm_head_weight().astype(hidden.dtype) if compute_logits else None
+        logits = project_logits(hidden, self.lm_head_weight().astype(hidden.dtype)) if compute_logits else None
         aux = jnp.zeros((), jnp.float32)
         if router_logits:  # padding (segment 0) is left out, as transformers does with attention_mask
             aux = load_balancing_loss(router_logits, self.config.num_experts, self.config.num_experts_per_tok,
