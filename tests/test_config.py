@@ -143,7 +143,7 @@ def test_wrong_type_names_key_value_and_expected(override, pattern):
     (["algorithm.clip_ratio_high=-1"], r"algorithm\.clip_ratio_high"),
     (["optim.lr=0"], r"optim\.lr=0\.0: expected > 0"),
     (["rollout.n=1"], r"rollout\.n=1: expected >= 2.*GRPO"),
-    (["trainer.ppo_mini_batch_size=48"], r"ppo_mini_batch_size=48.*8 \* 8 = 64"),
+    (["trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=48"], r"ppo_mini_batch_size=48.*8 \* 8 = 64"),
     (["mesh.data=-1"], r"at most one axis set to -1"),
     (["mesh.tensor=0"], r"mesh\.tensor=0"),
     (["mesh.expert=-2"], r"mesh\.expert=-2"),

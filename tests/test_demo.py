@@ -20,6 +20,7 @@ EASY = [
     "data.max_prompt_len=16", "rollout.global_max_len=8", "rollout.num_segments=2", "eval.max_new_tokens=8",
     "mesh.fsdp=1", "trainer.eval_every=0", "trainer.sft_steps=0", "checkpoint.save_every=0",
     "logging.tensorboard=false", "trainer.logprob_chunk=16", "trainer.micro_batch_rows=8", "optim.lr=1e-2",
+    "trainer.train_batch_size=8", "trainer.ppo_mini_batch_size=64",  # as when the thresholds were set
 ]
 STEPS = 24
 
@@ -59,6 +60,8 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary == json.loads((run / "summary.json").read_text()) and summary["quick"] is True
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
+    assert f"{summary['accuracy_after']:.3f} after RL ({gain:+.1f} points)" in out.stdout
     assert summary["steps"] == load_config("tiny_cpu", QUICK_TEST).trainer.total_steps == 4
     assert (run / "metrics.jsonl").read_text().count("\n") == summary["steps"]
     for name in ("reward.png", "entropy.png", "response_length.png", "pools.png"):

@@ -21,8 +21,9 @@ from pathlib import Path
 OVERRIDES_HELP = "config overrides as dotted key=value, e.g. algorithm.mask_mode=none trainer.total_steps=20"
 
 # `--quick`: the same demo, small enough for CI (about 2.5 minutes on 2 idle cores).
-QUICK_OVERRIDES = ["trainer.sft_steps=100", "trainer.total_steps=8", "trainer.eval_every=0", "eval.k=1",
-                   "checkpoint.save_every=0", "data.synthetic.num_eval=16"]
+QUICK_OVERRIDES = ["trainer.sft_steps=100", "trainer.total_steps=8", "trainer.train_batch_size=8",
+                   "trainer.ppo_mini_batch_size=64", "trainer.eval_every=0", "eval.k=1", "checkpoint.save_every=0",
+                   "data.synthetic.num_eval=16"]
 
 
 def _quiet_libraries() -> None:

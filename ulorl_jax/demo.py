@@ -80,7 +80,7 @@ def _print_smoke_note(s: dict, full) -> None:
     print(f"This was a smoke run: {s['steps']} RL steps, held-out avg@{s['eval_k']} on {s['eval_prompts']} prompts "
           f"(one prompt more or less right moves it by {step:.3f}). It shows that the whole pipeline runs; it is "
           f"too short to show learning. The full `ulorl demo` ({full.trainer.total_steps} RL steps, avg@{full.eval.k} "
-          f"on {full_eval} held-out prompts, about 5 minutes on 2 idle CPU cores) is the run that "
+          f"on {full_eval} held-out prompts, about 5.5 minutes on 2 idle CPU cores) is the run that "
           f"shows RL's gain over the warm start (and, run with algorithm.mask_mode=none or mpt, how the masking "
           f"modes compare); its measured figures are in benchmarks/results/demo.md.")
 
@@ -133,7 +133,8 @@ def _print_summary(s: dict, run_dir: Path, plots) -> None:
     print()
     print("== ulorl demo summary ==")
     print(f"held-out accuracy (avg@{s['eval_k']}, {s['eval_prompts']} prompts): "
-          f"{_fmt(s['accuracy_before'])} after warm start -> {_fmt(s['accuracy_after'])} after RL")
+          f"{_fmt(s['accuracy_before'])} after warm start -> {_fmt(s['accuracy_after'])} after RL "
+          f"({100 * (s['accuracy_after'] - s['accuracy_before']):+.1f} points)")
     if s["pass_at_k_after"]:
         print("held-out pass@k (unbiased): " + ", ".join(
             f"pass@{k} {_fmt(s['pass_at_k_before'].get(k))} -> {_fmt(v)}" for k, v in s["pass_at_k_after"].items()))
