@@ -40,8 +40,11 @@ def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = 
     print(f"ulorl demo{' --quick' if quick else ''}: tiny {m.model_type} policy ({params:,} parameters, "
           f"{m.num_hidden_layers} layers, {m.num_experts} experts top-{m.num_experts_per_tok}) on "
           f"{jax.default_backend()}; run folder {run_dir}")
+    held_out = [len(p.operands) for p in trainer.task.eval]  # data.synthetic.eval_min_operands: a harder split
+    harder = (f", held-out {min(held_out)}-{max(held_out)}"
+              if held_out and min(held_out) > trainer.task.config.min_operands else "")
     print(f"task: running sums mod {trainer.task.config.modulus}, {trainer.task.config.min_operands}-"
-          f"{trainer.task.config.max_operands} operands (long-tailed); rollout {r.global_max_len} tokens in "
+          f"{trainer.task.config.max_operands} operands (long-tailed{harder}); rollout {r.global_max_len} tokens in "
           f"{r.num_segments} segments of {r.global_max_len // r.num_segments}, n={r.n}; is_mode={a.is_mode}, "
           f"mask_mode={a.mask_mode} (tau {a.tau}, sigma {a.sigma})")
     try:

@@ -158,3 +158,21 @@ def test_impossible_split_and_bad_config():
         SyntheticConfig(min_operands=5, max_operands=3)
     with pytest.raises(ValueError, match="noise"):
         noisy_trace(SyntheticProblem((1, 2)), 1.5, np.random.default_rng(0))
+
+
+def test_harder_held_out_split():
+    """data.synthetic.eval_min_operands: held-out problems have at least that many operands, never
+    overlap training, and training is the split it would be without the option."""
+    from ulorl_jax.data.sources import SyntheticTask
+
+    base = {"max_operands": 16, "tail_alpha": 1.2, "num_train": 256, "num_eval": 64, "seed": 3}
+    plain = SyntheticTask.from_options(base)
+    hard = SyntheticTask.from_options({**base, "eval_min_operands": 8})
+    assert len(hard.eval) == 64 and min(len(p.operands) for p in hard.eval) == 8
+    assert max(len(p.operands) for p in hard.eval) <= 16
+    assert min(len(p.operands) for p in plain.eval) < 8  # the option changed the held-out split
+    assert hard.train == plain.train
+    assert not {p.prompt for p in hard.train} & {p.prompt for p in hard.eval}
+    for bad in (1, 17, 8.0, "8"):
+        with pytest.raises(ValueError, match=r"eval_min_operands=.*\[2, 16\]"):
+            SyntheticTask.from_options({**base, "eval_min_operands": bad})

@@ -19,7 +19,10 @@ from ulorl_jax.types import PromptItem
 log = logging.getLogger(__name__)
 
 # Keys of `data.synthetic` that are not SyntheticConfig fields.
-_SYNTHETIC_RUN_KEYS = {"num_train": 512, "num_eval": 64, "seed": 0, "noise_p": 0.1, "task": "arithmetic"}
+# eval_min_operands: held-out problems with at least this many operands (a harder split than training, which
+# keeps min_operands..max_operands); null = both splits from the same distribution.
+_SYNTHETIC_RUN_KEYS = {"num_train": 512, "num_eval": 64, "seed": 0, "noise_p": 0.1, "task": "arithmetic",
+                       "eval_min_operands": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +44,22 @@ class SyntheticTask:
         unknown = sorted(set(opts) - known)
         if unknown:
             raise ValueError(f"unknown data.synthetic key(s) {unknown}; known: {sorted(known - {'task'})}")
-        num_train, num_eval, seed, noise_p = (opts.pop(k) for k in ("num_train", "num_eval", "seed", "noise_p"))
+        num_train, num_eval, seed, noise_p, eval_min = (
+            opts.pop(k) for k in ("num_train", "num_eval", "seed", "noise_p", "eval_min_operands"))
         if not 0.0 <= noise_p < 1.0:
             raise ValueError(f"data.synthetic.noise_p={noise_p} must be in [0, 1)")
         config = SyntheticConfig(**opts)
-        splits = make_splits(config, num_train, num_eval, seed)
-        return cls(config, tuple(splits["train"]), tuple(splits["eval"]), float(noise_p), int(seed))
+        if eval_min is None:
+            splits = make_splits(config, num_train, num_eval, seed)
+            return cls(config, tuple(splits["train"]), tuple(splits["eval"]), float(noise_p), int(seed))
+        if not (type(eval_min) is int and config.min_operands <= eval_min <= config.max_operands):
+            raise ValueError(f"data.synthetic.eval_min_operands={eval_min!r} must be an integer in "
+                             f"[min_operands, max_operands] = [{config.min_operands}, {config.max_operands}]")
+        # Training problems as without the option (the same draw); the split is a hash of the prompt, so
+        # held-out problems drawn from the harder distribution are still never training problems.
+        train = make_splits(config, num_train, num_eval, seed)["train"]
+        held_out = make_splits(dataclasses.replace(config, min_operands=eval_min), 0, num_eval, seed)["eval"]
+        return cls(config, tuple(train), tuple(held_out), float(noise_p), int(seed))
 
     def warm_start_traces(self, step: int, batch: int) -> list[tuple[SyntheticProblem, str]]:
         """`batch` (problem, noisy trace) pairs for supervised step `step`, deterministic in (seed, step)."""
