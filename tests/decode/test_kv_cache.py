@@ -32,6 +32,18 @@ def test_prefill_then_single_steps_equal_full_forward(model, prefill):
     assert np.asarray(cache.index).tolist() == [14, 14]
 
 
+def test_prefill_logits_in_pieces_equal_full_forward(model, monkeypatch):
+    """A prefill chunk of more than CPU_LOGITS_PIECE positions takes its logits in pieces of the token axis
+    on CPU (here 4, 4, 4 and 2 of 14): they equal the full forward's one matmul."""
+    from ulorl_jax.models import qwen3
+
+    tokens = jnp.asarray(random_tokens(2, 14, vocab=128, seed=4))
+    full = np.asarray(model(tokens))  # 28 positions: one matmul
+    monkeypatch.setattr(qwen3, "CPU_LOGITS_PIECE", 8)
+    logits, _ = model.decode_step(tokens, model.init_cache(2, 32))
+    np.testing.assert_allclose(np.asarray(logits), full, atol=ATOL, rtol=0)
+
+
 def test_left_padded_prefill_then_decode_equals_each_alone(model):
     lengths = [7, 3]
     t = max(lengths)

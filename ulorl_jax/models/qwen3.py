@@ -161,10 +161,11 @@ class DecoderLayer(nnx.Module):
         return x + h, new_kv, router_logits
 
 
-# On CPU, the full logits of more than this many positions are computed in pieces of the token axis of
-# about this many positions each. As one matmul, XLA:CPU fuses the final norm into it and holds a second
-# logits-sized buffer outside its own accounting: `model(tokens)` at 1 x 8,192 positions, vocab 2,048 grew
-# RSS by 193 MiB, in pieces by 133, and ran no slower (benchmarks/results/compare.md).
+# On CPU, the full logits of more than this many positions (`forward`'s, and `decode_step`'s for a long
+# prefill chunk) are computed in pieces of the token axis of about this many positions each. As one matmul,
+# XLA:CPU fuses the final norm into it and holds a second logits-sized buffer outside its own accounting:
+# `model(tokens)` at 1 x 8,192 positions, vocab 2,048 grew RSS by 193 MiB, in pieces by 133, and ran no
+# slower (benchmarks/results/compare.md).
 CPU_LOGITS_PIECE = 4096
 
 
@@ -321,7 +322,7 @@ class Qwen3ForCausalLM(nnx.Module):
             new_k.append(k)
             new_v.append(v)
         hidden = self.norm(x)
-        logits = hidden @ self.lm_head_weight().astype(hidden.dtype)
+        logits = project_logits(hidden, self.lm_head_weight().astype(hidden.dtype))  # a prefill chunk may be long
         moved = dict(k=tuple(new_k), v=tuple(new_v), index=cache.index + t,
                      position=cache.position + jnp.sum(real, axis=1))
         return logits, cache._replace(**moved) if paged else cache._replace(segment_ids=kv_segments, **moved)
