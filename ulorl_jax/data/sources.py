@@ -49,17 +49,16 @@ class SyntheticTask:
         if not 0.0 <= noise_p < 1.0:
             raise ValueError(f"data.synthetic.noise_p={noise_p} must be in [0, 1)")
         config = SyntheticConfig(**opts)
-        if eval_min is None:
-            splits = make_splits(config, num_train, num_eval, seed)
-            return cls(config, tuple(splits["train"]), tuple(splits["eval"]), float(noise_p), int(seed))
-        if not (type(eval_min) is int and config.min_operands <= eval_min <= config.max_operands):
+        if eval_min is not None and not (type(eval_min) is int
+                                         and config.min_operands <= eval_min <= config.max_operands):
             raise ValueError(f"data.synthetic.eval_min_operands={eval_min!r} must be an integer in "
                              f"[min_operands, max_operands] = [{config.min_operands}, {config.max_operands}]")
-        # Training problems as without the option (the same draw); the split is a hash of the prompt, so
-        # held-out problems drawn from the harder distribution are still never training problems.
-        train = make_splits(config, num_train, num_eval, seed)["train"]
-        held_out = make_splits(dataclasses.replace(config, min_operands=eval_min), 0, num_eval, seed)["eval"]
-        return cls(config, tuple(train), tuple(held_out), float(noise_p), int(seed))
+        splits = make_splits(config, num_train, num_eval, seed)
+        held_out = splits["eval"]
+        if eval_min is not None:  # training stays this draw; the split is a hash of the prompt, so held-out
+            # problems drawn from the harder distribution are still never training problems
+            held_out = make_splits(dataclasses.replace(config, min_operands=eval_min), 0, num_eval, seed)["eval"]
+        return cls(config, tuple(splits["train"]), tuple(held_out), float(noise_p), int(seed))
 
     def warm_start_traces(self, step: int, batch: int) -> list[tuple[SyntheticProblem, str]]:
         """`batch` (problem, noisy trace) pairs for supervised step `step`, deterministic in (seed, step)."""
