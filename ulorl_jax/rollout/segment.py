@@ -117,13 +117,18 @@ def _fold_keys(key, uids, progress):  # [N] each -> [N] keys: fold_in(fold_in(ke
     return jax.vmap(lambda u, n: jax.random.fold_in(jax.random.fold_in(key, u), n))(uids, progress)
 
 
+SAMPLE_KEYS_MIN_PAD = 256  # sample_keys' smallest padded size: one compiled shape up to this many samples
+
+
 def sample_keys(key, uids: Sequence[int], progress: Sequence[int]) -> list[np.ndarray]:
     """Per sample `fold_in(fold_in(key, uid), tokens generated so far)` as raw uint32 [2] host arrays,
-    in one jitted call (padded to a power of two: a few shapes), not 2 dispatches per sample."""
+    in one jitted call, not 2 dispatches per sample. Padded to a power of two of at least
+    SAMPLE_KEYS_MIN_PAD: one shape for every step of up to that many samples (a batch that grew past 32
+    used to compile a new one, 0.24 s, in the middle of a run), a few beyond."""
     n = len(uids)
     if n == 0:
         return []
-    size = 1 << (n - 1).bit_length()
+    size = max(SAMPLE_KEYS_MIN_PAD, 1 << (n - 1).bit_length())
     pad = lambda x: np.pad(np.asarray(x, np.uint32), (0, size - n))  # noqa: E731
     keys = _fold_keys(key, pad(uids), pad(progress))
     if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
