@@ -123,3 +123,24 @@ def test_bad_segments_named():
         segments.parse_segments("1,3", 16)
     with pytest.raises(ValueError, match="--segments"):
         segments.parse_segments("a", 16)
+
+
+def test_compile_counter_counts_every_new_compile_and_no_cached_call():
+    """The bench leaves out a step during which anything compiled; the counter must see a helper's new
+    shape (no executable cache of the engine or learner shows it) and stay still on a cached call."""
+    import jax
+    import jax.numpy as jnp
+
+    from ulorl_jax.bench import harness
+
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0)
+    x5, x7, x9 = (np.ones(n, np.float32) for n in (5, 7, 9))  # host arrays: no compile of their own
+    with harness.CompileCounter() as compiles:
+        f(x5).block_until_ready()
+        first = compiles.count
+        f(x5).block_until_ready()  # cached
+        cached = compiles.count
+        f(x7).block_until_ready()  # a new shape
+        assert (first, cached, compiles.count) == (1, 1, 2)
+    f(x9).block_until_ready()  # closed: no longer listening
+    assert compiles.count == 2

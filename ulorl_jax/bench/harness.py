@@ -104,3 +104,33 @@ def print_result(result: dict, table: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(result))
     return 0
+
+
+class CompileCounter:
+    """Counts every XLA compile in this process while open (jax.monitoring's backend-compile event), so a
+    bench can leave out a timed step during which anything compiled: the engine, the learner, or a helper
+    meeting a new shape, which no executable cache of ours would show.
+
+        with CompileCounter() as compiles:
+            before = compiles.count; step(); compiled = compiles.count != before
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event: str, duration_secs: float, **kwargs) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -39,6 +39,7 @@ import time
 
 import numpy as np
 
+from ulorl_jax import choices
 from ulorl_jax.bench import harness
 from ulorl_jax.bench import segment_cost as sc
 
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=int, default=32, help="default 32")
     g.add_argument("--layers", type=int, default=2, help="default 2")
     g.add_argument("--vocab", type=int, default=64, help="default 64")
+    g.add_argument("--remat", choices=choices.REMAT, default="full",
+                   help="learner rematerialisation (trainer.remat; default full, the full-size default; "
+                        "configs/tiny_cpu.yaml trains with none)")
     g = parser.add_argument_group("projection (cost model, no measurement)")
     g.add_argument("--model-scale", choices=sorted(sc.MODEL_SCALES), default=None,
                    help="project the paper's setting for this model instead of measuring")
@@ -160,8 +164,10 @@ def run_steps(engine, learner, k: int, s: dict, dist: sc.LengthDistribution):
     rows, next_prompt, version = [], 0, 0
     g = s["prompts_per_step"]
 
-    def compiles() -> int:
-        return engine.compile_count() + sum(learner.jit_cache_sizes().values())
+    xla = harness.CompileCounter()
+
+    def compiles() -> int:  # any compile anywhere (xla); the engine's and learner's caches as a second witness
+        return xla.count + engine.compile_count() + sum(learner.jit_cache_sizes().values())
 
     def one_step(step: int, new_prompts: int) -> dict:
         nonlocal next_prompt, version
@@ -203,20 +209,21 @@ def run_steps(engine, learner, k: int, s: dict, dist: sc.LengthDistribution):
                 "batch_occupancy": (rep.tokens_decoded - batch_size) / max(iterations * batch_size, 1e-9)
                 if rep.slot_occupancy else 0.0, "staleness": staleness}
 
-    for step in range(warmup + s["steps"]):
-        for uid in range(rollout.next_uid, rollout.next_uid + g * s["n"]):
-            ledger.created.append(uid)
-        row = one_step(step, g)
-        row["timed"] = step >= warmup
-        rows.append(row)
-        yield
-    drain_steps = 0
-    while rollout.unfinished_pool or queue or len(rollout.experience_pool):  # drain: every sample trained once
-        one_step(10_000 + drain_steps, 0)
-        drain_steps += 1
-        yield
-        if drain_steps > 4 * k + 4:
-            raise RuntimeError(f"K={k}: pools did not drain in {drain_steps} steps")
+    with xla:
+        for step in range(warmup + s["steps"]):
+            for uid in range(rollout.next_uid, rollout.next_uid + g * s["n"]):
+                ledger.created.append(uid)
+            row = one_step(step, g)
+            row["timed"] = step >= warmup
+            rows.append(row)
+            yield
+        drain_steps = 0
+        while rollout.unfinished_pool or queue or len(rollout.experience_pool):  # drain: every sample trained once
+            one_step(10_000 + drain_steps, 0)
+            drain_steps += 1
+            yield
+            if drain_steps > 4 * k + 4:
+                raise RuntimeError(f"K={k}: pools did not drain in {drain_steps} steps")
 
     timed = [r for r in rows if r["timed"] and not r["compiled"]]
     updates = sum(r["updates"] for r in timed)
@@ -270,7 +277,7 @@ def build(s: dict):
     engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=p + gmax, max_cache_len=p + gmax,
                           prefill_fanout=s["n"], **budget)
     learner = Learner(model, LearnerConfig(row_len=p + gmax, micro_batch_rows=1, logprob_chunk=p + gmax,
-                                           mask_mode="dmmpt", lr=1e-4))
+                                           mask_mode="dmmpt", lr=1e-4, remat=s["remat"]))
     return ks, engine, learner
 
 
@@ -318,7 +325,8 @@ def run(args) -> dict:
     machine.update(loadavg_before=load_before, loadavg_after=harness.loadavg(), cpu_during_timing=background)
     return {"bench": "segments", "mode": "measured", "settings": s, "length_distribution": dist.describe(),
             "engine_slots": engine.max_concurrent_decodes,
-            "prefill_token_budget": getattr(engine, "prefill_token_budget", None), "segments": {str(k): out[k] for k in ks},
+            "prefill_token_budget": getattr(engine, "prefill_token_budget", None),
+            "segments": {str(k): out[k] for k in ks},
             "machine": machine}
 
 
@@ -373,7 +381,7 @@ def format_table(r: dict) -> str:
         f"tiny qwen3 hidden {s['hidden_size']}, {s['layers']} layers, vocab {s['vocab']}; {s['prompts_per_step']} "
         f"prompts x {s['n']} per step, prompt {s['prompt_len']}, global max {s['global_max_len']}; engine "
         f"{r['engine_slots']} slots, {s['steps_per_call']} steps/call, prefill budget "
-        f"{r.get('prefill_token_budget', '-')} tokens/call",
+        f"{r.get('prefill_token_budget', '-')} tokens/call; learner remat {s.get('remat', 'full')}",
         f"lengths: {r['length_distribution']}",
         "",
         f"{'K':>3}{'seg':>5}{'s/update':>10}{'speedup':>9}{'ideal':>7}{'% ideal':>8}{'rollout s':>10}{'prefill':>8}"
