@@ -6,7 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from ulorl_jax.rl import DynamicSamplingReport, dynamic_sampling_keep, dynamic_sampling_report, grpo_advantages
+from ulorl_jax.rl import (
+    DynamicSamplingReport,
+    dynamic_sampling_keep,
+    dynamic_sampling_report,
+    grpo_advantages,
+    grpo_advantages_host,
+)
 
 EPS = 1e-6
 
@@ -97,3 +103,24 @@ def test_dynamic_sampling_random_vs_numpy():
     assert report.dropped_all_correct == int((rewards.sum(1) == 4).sum())
     assert report.dropped_all_wrong == int((rewards.sum(1) == 0).sum())
     assert report.dropped_other_constant == 0
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_host_advantages_bitwise_equal_unpadded_in_few_shapes(norm_by_std):
+    """The trainer's call: group counts that change every step compile no new shape once a bucket is
+    compiled, and every group's advantages are bitwise those of the unpadded call."""
+    from ulorl_jax.bench.harness import CompileCounter
+
+    rng = np.random.default_rng(5)
+    grpo_advantages_host(np.zeros((1, 8), np.float32), norm_by_std=norm_by_std)  # compiles the 16-group bucket
+    with CompileCounter() as compiles:
+        for groups in (1, 3, 5, 9, 13, 16):
+            rewards = rng.integers(0, 2, (groups, 8)).astype(np.float32)
+            before = compiles.count
+            host = grpo_advantages_host(rewards, norm_by_std=norm_by_std)
+            assert compiles.count == before, f"{groups} groups compiled a new shape"
+            assert isinstance(host, np.ndarray) and host.shape == (groups, 8)
+            np.testing.assert_array_equal(host, np.asarray(grpo_advantages(rewards, norm_by_std=norm_by_std)))
+            np.testing.assert_allclose(host, numpy_grpo(rewards, norm_by_std=norm_by_std), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="num_groups, G"):
+        grpo_advantages_host(np.zeros(8, np.float32))

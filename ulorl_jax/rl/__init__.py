@@ -23,6 +23,7 @@ from ulorl_jax.rl.advantages import (
     dynamic_sampling_keep,
     dynamic_sampling_report,
     grpo_advantages,
+    grpo_advantages_host,
 )
 
 # Token log-probs and entropy
@@ -56,6 +57,7 @@ __all__ = [
     "dynamic_sampling_keep",
     "dynamic_sampling_report",
     "grpo_advantages",
+    "grpo_advantages_host",
     "chunked_logprobs_and_entropy",
     "full_logprobs_and_entropy",
     "sample_mean_entropy",

@@ -49,6 +49,27 @@ def grpo_advantages(
     return centred / (std + eps) if norm_by_std else centred
 
 
+HOST_GROUPS_MIN_PAD = 16  # grpo_advantages_host's smallest padded group count
+
+
+def grpo_advantages_host(rewards: np.ndarray, *, norm_by_std: bool = True) -> np.ndarray:
+    """`grpo_advantages` of a step's host rewards [num_groups, G], as NumPy.
+
+    Dynamic sampling changes the group count from step to step, and op-by-op jnp compiles every primitive
+    again for each new count (0.2-0.5 s each time). The count is padded to a power of two (at least
+    HOST_GROUPS_MIN_PAD) with all-zero groups, whose advantages are 0 and are cut off again: a few compiled
+    shapes per run, and each group's advantages bitwise those of the unpadded call (a NumPy formula would
+    differ from XLA's in the last bit and change a run's trajectory)."""
+    r = np.asarray(rewards, np.float32)
+    if r.ndim != 2:
+        raise ValueError(f"rewards must be [num_groups, G], got shape {r.shape}")
+    n = r.shape[0]
+    size = max(HOST_GROUPS_MIN_PAD, 1 << max(n - 1, 0).bit_length())
+    padded = np.zeros((size, r.shape[1]), np.float32)
+    padded[:n] = r
+    return np.asarray(grpo_advantages(padded, norm_by_std=norm_by_std))[:n]
+
+
 @dataclasses.dataclass(frozen=True)
 class DynamicSamplingReport:
     """Group counts of one dynamic-sampling pass."""

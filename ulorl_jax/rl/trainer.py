@@ -58,7 +58,7 @@ from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
 from ulorl_jax.rl.advantages import (
     dynamic_sampling_report,
-    grpo_advantages,
+    grpo_advantages_host,
 )
 from ulorl_jax.rl.build import (
     build_engine,
@@ -336,7 +336,7 @@ class Trainer:
 
     def train_samples(self, groups: list[list[Sample]]) -> list[TrainSample]:
         rewards = np.asarray([[s.metadata["reward"] for s in g] for g in groups], np.float32)
-        adv = np.asarray(grpo_advantages(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std))
+        adv = grpo_advantages_host(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
         return [TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantage=float(adv[i, j]),
                             reward=float(s.metadata["reward"]), logprobs=s.logprobs)
                 for i, g in enumerate(groups) for j, s in enumerate(g)]
