@@ -49,6 +49,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ulorl_jax.buckets import pow2_ceil
 from ulorl_jax.choices import KV_CACHES
 from ulorl_jax.decode import cache_layout
 from ulorl_jax.decode.page_pool import PagePool, pages_for
@@ -169,10 +170,6 @@ DEFAULT_PREFILL_TOKEN_BUDGET = 4096  # padded tokens per batched prefill call (s
 # H200: 989 TFLOP/s over 4.8 TB/s, 2 FLOPs per weight per token); measured on the CPU's tiny bench model,
 # a call costs about as much as 200 padded tokens too.
 PREFILL_CALL_COST_TOKENS = 256
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _pow4_ceil(n: int) -> int:
@@ -443,7 +440,7 @@ class PolicyEngine:
         self.num_pages = int(num_pages) if num_pages is not None else self._slots * self.max_pages_per_slot
         self._prefill_calls = 0
         # Slots per prefill row in `run`, a power of two; None: grows with the largest group seen.
-        self.prefill_fanout = None if prefill_fanout is None else _pow2_ceil(min(prefill_fanout, self._slots))
+        self.prefill_fanout = None if prefill_fanout is None else pow2_ceil(min(prefill_fanout, self._slots))
         self._fanout = self.prefill_fanout or 1
         g, r = self._graphdef, self._rest
         # Under a mesh of several devices, trace everything under it (see module doc).
@@ -572,7 +569,7 @@ class PolicyEngine:
             if b >= length:
                 return b
         if self.paged and length <= self.max_cache_len:  # a preempted sample's prompt + tokens so far
-            return min(_pow2_ceil(length), self.max_cache_len)
+            return min(pow2_ceil(length), self.max_cache_len)
         raise ValueError(f"prompt of {length} tokens exceeds max_prefill_length={self._max_prefill}")
 
     def prefill(self, *, params: Any, existing_prefix: Prefix | None = None, padded_tokens: Any,
@@ -617,7 +614,7 @@ class PolicyEngine:
         """Most rows a prefill call of padded length `length` holds: the largest power of two within
         `prefill_token_budget` (1 when one row alone exceeds it), and no more than the slots need."""
         return min(1 << max(0, (self.prefill_token_budget // int(length)).bit_length() - 1),
-                   _pow2_ceil(self._slots))
+                   pow2_ceil(self._slots))
 
     def prefill_rows(self, n: int, length: int) -> int:
         """Rows a call of `n` (<= the cap, or 1) requests padded to `length` computes: a power of four, or
@@ -698,7 +695,7 @@ class PolicyEngine:
         rows: dict[bytes, list[int]] = {}  # distinct prompt -> its requests
         for i, ids in enumerate(prompts):
             rows.setdefault(ids.tobytes(), []).append(i)
-        f = fanout or _pow2_ceil(max(len(g) for g in rows.values()))
+        f = fanout or pow2_ceil(max(len(g) for g in rows.values()))
         groups = [g[j:j + f] for g in rows.values() for j in range(0, len(g), f)]  # rows of <= F requests
         outs, plan_rows, tokens_real, padded = [], [], 0, 0
         for length, members in self.plan_prefill([len(prompts[g[0]]) for g in groups]):
@@ -835,7 +832,7 @@ class PolicyEngine:
             counts: dict[bytes, int] = {}
             for ids in prompts:
                 counts[ids.tobytes()] = counts.get(ids.tobytes(), 0) + 1
-            self._fanout = max(self._fanout, _pow2_ceil(min(max(counts.values(), default=1), self._slots)))
+            self._fanout = max(self._fanout, pow2_ceil(min(max(counts.values(), default=1), self._slots)))
         fanout = self._fanout
         out: list[Completion | None] = [None] * len(requests)
         stats = RunStats(kv_pages=pool.num_pages if pool else 0)

@@ -17,6 +17,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from ulorl_jax.buckets import pow2_ceil
+
 
 def grpo_advantages(
     rewards: jnp.ndarray,
@@ -64,7 +66,7 @@ def grpo_advantages_host(rewards: np.ndarray, *, norm_by_std: bool = True) -> np
     if r.ndim != 2:
         raise ValueError(f"rewards must be [num_groups, G], got shape {r.shape}")
     n = r.shape[0]
-    size = max(HOST_GROUPS_MIN_PAD, 1 << max(n - 1, 0).bit_length())
+    size = pow2_ceil(n, HOST_GROUPS_MIN_PAD)
     padded = np.zeros((size, r.shape[1]), np.float32)
     padded[:n] = r
     return np.asarray(grpo_advantages(padded, norm_by_std=norm_by_std))[:n]

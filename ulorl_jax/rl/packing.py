@@ -23,6 +23,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from ulorl_jax.buckets import pow2_ceil
+
 
 @dataclasses.dataclass
 class TrainSample:
@@ -68,10 +70,6 @@ class PackedBatch(NamedTuple):
     def arrays(self) -> dict[str, np.ndarray]:
         """The array fields as a dict (what the jitted step takes)."""
         return {k: v for k, v in self._asdict().items() if k != "placement"}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def validate_samples(samples: Sequence[TrainSample], row_len: int, *, need_rewards_01: bool = False,
@@ -140,7 +138,7 @@ def pack_samples(samples: Sequence[TrainSample], row_len: int, *, row_multiple: 
     placement = assign_rows([s.length for s in samples], row_len)
     used = 1 + max(r for r, _ in placement)
     groups = max(-(-max(used, min_rows) // row_multiple), 1)
-    rows = (_next_pow2(groups) if pow2_groups else groups) * row_multiple
+    rows = (pow2_ceil(groups) if pow2_groups else groups) * row_multiple
     shape = (rows, row_len)
     tokens = np.zeros(shape, np.int32)
     targets = np.zeros(shape, np.int32)
@@ -152,7 +150,7 @@ def pack_samples(samples: Sequence[TrainSample], row_len: int, *, row_multiple: 
     rollout_lp = np.zeros(shape, np.float32)
     has_lp = np.zeros(shape, np.float32)
     sample_index = np.zeros(shape, np.int32)
-    sample_lengths = np.zeros((_next_pow2(len(samples)),), np.float32)
+    sample_lengths = np.zeros((pow2_ceil(len(samples)),), np.float32)
     next_segment = np.ones((rows,), np.int32)
     for i, (s, (r, start)) in enumerate(zip(samples, placement)):
         seq = np.asarray(list(s.prompt_ids) + list(s.response_ids), np.int32)

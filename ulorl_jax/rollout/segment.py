@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from ulorl_jax.buckets import pow2_ceil
 from ulorl_jax.decode.engine import PolicyEngine, Request
 from ulorl_jax.decode.sampling import SamplingParams
 from ulorl_jax.types import FINISH_REASONS, PromptItem, Sample  # noqa: F401  (this module's names too)
@@ -128,7 +129,7 @@ def sample_keys(key, uids: Sequence[int], progress: Sequence[int]) -> list[np.nd
     n = len(uids)
     if n == 0:
         return []
-    size = max(SAMPLE_KEYS_MIN_PAD, 1 << (n - 1).bit_length())
+    size = pow2_ceil(n, SAMPLE_KEYS_MIN_PAD)
     pad = lambda x: np.pad(np.asarray(x, np.uint32), (0, size - n))  # noqa: E731
     keys = _fold_keys(key, pad(uids), pad(progress))
     if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
