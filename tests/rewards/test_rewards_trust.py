@@ -170,8 +170,9 @@ _DEGENERATE = [
 
 @pytest.mark.parametrize("extraction", ["boxed", "math_verify"])
 def test_scorer_bounded_time_on_degenerate_responses(extraction):
-    """Each degenerate response is scored within 1 s (math-verify under a 0.5 s timeout), and the scorer
-    scores a normal pair correctly afterwards."""
+    """Each degenerate response is scored within 2 s (math-verify under a 0.5 s timeout; the rest is room for
+    killing the worker on a loaded 2-core machine: 1.16 s seen beside a benchmark), and the scorer scores a
+    normal pair correctly afterwards. Without the timeout, 9^{9^{9^{9}}} never finishes."""
     config = RewardConfig(workers=2, timeout_s=0.5, extraction=extraction)
     with RewardScorer(config) as scorer:
         assert scorer.score([("\\boxed{\\frac{1}{2}}", "0.5", False, {})]) == [1.0]  # starts the pool
@@ -180,7 +181,7 @@ def test_scorer_bounded_time_on_degenerate_responses(extraction):
             start = time.perf_counter()
             rewards = scorer.score([(text, reference, False, {})])
             elapsed = time.perf_counter() - start
-            assert elapsed < 1.0, (text[:40], elapsed)
+            assert elapsed < 2.0, (text[:40], elapsed)
             if extraction == "boxed" or (expected == 1.0 and len(text) < 1000):  # math-verify reads 1 MB in
                 assert rewards == [expected], text[:40]  # about 0.2-1 s here: over the timeout is a 0
             assert rewards[0] in (0.0, 1.0)
