@@ -91,3 +91,32 @@ def test_top_k_top_p_stay_in_allowed_set_and_match_distribution(params):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_argmax_last_equals_numpy_argmax_with_ties_inf_and_nan():
+    from ulorl_jax.decode.sampling import argmax_last
+
+    x = np.random.default_rng(4).integers(-3, 4, size=(64, 37)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, 5:] = np.inf
+    x[3, [9, 20]] = np.nan  # argmax: the first NaN
+    x[4, :] = np.nan
+    for rows in (x, x[:, :1], x[0]):
+        got = np.asarray(jax.jit(argmax_last)(jnp.asarray(rows)))
+        np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
+        assert got.dtype == np.int32
+
+
+@pytest.mark.parametrize("typed", [False, True])
+def test_categorical_draws_the_tokens_of_jax_random_categorical(typed):
+    from ulorl_jax.decode.sampling import categorical
+
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(256, 40)).astype(np.float32)
+    logits[rng.random(logits.shape) < 0.3] = -np.inf  # what top-k / top-p leave
+    keys = jax.random.split(jax.random.PRNGKey(11), 256)
+    keys = jax.random.wrap_key_data(keys) if typed else keys
+    ours = np.asarray(jax.jit(categorical)(keys, jnp.asarray(logits)))
+    ref = np.asarray(jax.jit(jax.vmap(jax.random.categorical))(keys, jnp.asarray(logits)))
+    np.testing.assert_array_equal(ours, ref)
+    assert len(np.unique(ours)) > 20  # the draws differ from row to row: not a degenerate comparison

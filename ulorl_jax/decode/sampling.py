@@ -78,6 +78,25 @@ def filter_logits(scaled: jnp.ndarray, top_k: int, top_p: float) -> jnp.ndarray:
     return scaled
 
 
+def argmax_last(x: jnp.ndarray) -> jnp.ndarray:
+    """`jnp.argmax(x, axis=-1)` as int32, ties and NaN included (the first maximum; a NaN counts as the
+    maximum), written as two plain reductions. XLA:CPU runs argmax's paired (value, index) reduce
+    element by element: 48 us for [16, 512] logits against 5 us for this, which the decode step pays
+    once per token."""
+    top = jnp.max(x, axis=-1, keepdims=True)  # NaN if the row has one
+    hit = (x == top) | jnp.isnan(x)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, iota, x.shape[-1]), axis=-1)
+
+
+def categorical(keys: jnp.ndarray, logits: jnp.ndarray) -> jnp.ndarray:
+    """One draw per row of logits [B, V] with keys [B] (typed) or [B, 2] (raw): the tokens of
+    `jax.vmap(jax.random.categorical)(keys, logits)`, bit for bit (its Gumbel noise, then `argmax_last`
+    in place of its argmax)."""
+    noise = jax.vmap(lambda k, row: jax.random.gumbel(k, row.shape, row.dtype))(keys, logits)
+    return argmax_last(noise + logits)
+
+
 def _is_batched_key(key: jnp.ndarray) -> bool:
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key.ndim == 1
@@ -92,14 +111,14 @@ def sample_tokens(logits: jnp.ndarray, key: jnp.ndarray, params: SamplingParams)
     logits = logits.astype(jnp.float32)
     if params.greedy:
         logp = jax.nn.log_softmax(logits, axis=-1)  # [B, V]
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = argmax_last(logits)
         lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
         return tokens, lp, jnp.zeros_like(lp)
     scaled = logits / params.temperature  # [B, V]
     logp = jax.nn.log_softmax(scaled, axis=-1)
     sampled_from = filter_logits(scaled, params.top_k, params.top_p) if params.filtered else scaled
     keys = key if _is_batched_key(key) else jax.random.split(key, logits.shape[0])
-    tokens = jax.vmap(jax.random.categorical)(keys, sampled_from).astype(jnp.int32)  # [B]
+    tokens = categorical(keys, sampled_from)  # [B]
     lp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if not params.filtered:
         return tokens, lp, lp
