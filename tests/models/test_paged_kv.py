@@ -81,11 +81,15 @@ def test_insert_rows_then_decode_equals_dense_cache(model):
         nxt = jnp.argmax(want[:, -1:], axis=-1).astype(jnp.int32)
 
 
+@pytest.mark.parametrize("one_hot", [True, False], ids=["one-hot-rows", "gathered-rows"])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_ragged_decode_attention_equals_the_dense_reference(groups):
+def test_ragged_decode_attention_equals_the_dense_reference(groups, one_hot, monkeypatch):
     """Every page read once by its owner: equal to gathering each slot's pages and attending densely, on
-    ragged lengths (0, 1, a page boundary and one past it), pages out of order, and pages nobody owns."""
+    ragged lengths (0, 1, a page boundary and one past it), pages out of order, and pages nobody owns;
+    with the owners' queries picked by the one-hot matmul (small pools) and by a gather (large ones)."""
     from ulorl_jax.kernels.reference import decode_attention_reference
+
+    monkeypatch.setattr(paged_kv, "ONE_HOT_MAX_ENTRIES", 1 << 16 if one_hot else 0)
 
     rng = np.random.default_rng(0)
     b, hkv, d, pages = 4, 2, 8, 11
@@ -98,6 +102,24 @@ def test_ragged_decode_attention_equals_the_dense_reference(groups):
     want = decode_attention_reference(q, paged_kv.gather_pages(k, table), paged_kv.gather_pages(v, table), lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert not np.asarray(got[3]).any()
+
+
+def test_owner_rows_equal_the_owners_rows_bit_for_bit(monkeypatch):
+    """The one-hot matmul picks exactly x[owner] (no rounding), in float32 and bfloat16; pages nobody owns
+    (owner = B) get zeros. The gather branch agrees on every owned page."""
+    rng = np.random.default_rng(1)
+    owner = jnp.asarray([3, 0, 5, 2, 2, 5, 1, 4, 0], jnp.int32)  # 5 = nobody (B = 5)
+    owned = np.asarray(owner) < 5
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(rng.normal(size=(5, 24)) * 1e3, dtype)
+        got = np.asarray(paged_kv.owner_rows(x, owner).astype(jnp.float32))
+        want = np.asarray(x.astype(jnp.float32))[np.clip(np.asarray(owner), 0, 4)]
+        np.testing.assert_array_equal(got[owned], want[owned])
+        assert not got[~owned].any()
+        monkeypatch.setattr(paged_kv, "ONE_HOT_MAX_ENTRIES", 0)
+        gathered = np.asarray(paged_kv.owner_rows(x, owner).astype(jnp.float32))
+        np.testing.assert_array_equal(gathered[owned], want[owned])
+        monkeypatch.undo()
 
 
 def test_pallas_decode_reads_the_pages_in_place():

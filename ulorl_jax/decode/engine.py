@@ -302,9 +302,13 @@ def _generate_impl(graphdef, rest, params, state: DecodeState, *, sampling, eos_
     old = state.cache
     logits, cache = model.decode_step(state.tokens[:, None], old, attention_mask=active[:, None])  # [B, 1, V]
     cache = cache._replace(index=jnp.where(active, cache.index, old.index))  # idle slots keep their place
-    split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
-    tok, lp, slp = sample_tokens(logits[:, 0], split[:, 1], sampling)
-    keys = jnp.where(active[:, None], split[:, 0], state.keys)
+    if sampling.greedy:  # draws nothing: the keys stay (splitting them is a rolled threefry loop on CPU)
+        tok, lp, slp = sample_tokens(logits[:, 0], state.keys, sampling)
+        keys = state.keys
+    else:
+        split = jax.vmap(jax.random.split)(state.keys)  # [B, 2, 2]
+        tok, lp, slp = sample_tokens(logits[:, 0], split[:, 1], sampling)
+        keys = jnp.where(active[:, None], split[:, 0], state.keys)
     lengths = state.lengths + active.astype(jnp.int32)
     done = state.done | (active & (_eos_hit(tok, eos_ids) | (lengths >= state.budget)))
     new = DecodeState(cache, jnp.where(active, tok, state.tokens), keys, lengths, state.budget, done,

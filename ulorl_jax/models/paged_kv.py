@@ -124,6 +124,26 @@ def page_owners(page_table: jnp.ndarray, num_pages: int) -> tuple[jnp.ndarray, j
     return owner, column
 
 
+# `owner_rows` multiplies by a one-hot [P, B] matrix up to this many entries and gathers above it.
+ONE_HOT_MAX_ENTRIES = 1 << 16
+
+
+def owner_rows(x: jnp.ndarray, owner: jnp.ndarray) -> jnp.ndarray:
+    """x[owner] for rows x [B, N] and owner [P] in [0, B]; an owner of B (a page nobody owns) gets a row of
+    zeros or of slot B - 1 (its positions are masked out by the caller).
+
+    For a pool of up to `ONE_HOT_MAX_ENTRIES` pages x slots this is a matmul with a one-hot [P, B] matrix:
+    exact (one product by 1 per output), and XLA:CPU runs a gather element by element (25 us per layer
+    for 130 pages x 64 values in the tiny bench's decode step, a fifth of the step). Larger pools
+    gather: the matmul's work grows with slots x pages. A non-finite row (a broken model) then reaches
+    every page through the matmul, instead of its own slot's only."""
+    b = x.shape[0]
+    if owner.shape[0] * b > ONE_HOT_MAX_ENTRIES:
+        return jnp.take(x, jnp.clip(owner, 0, b - 1), axis=0)
+    hot = (owner[:, None] == jnp.arange(b, dtype=owner.dtype)[None, :]).astype(x.dtype)  # [P, B]
+    return jnp.dot(hot, x, preferred_element_type=x.dtype)
+
+
 def ragged_decode_attention(q: jnp.ndarray, k_pages: jnp.ndarray, v_pages: jnp.ndarray, page_table: jnp.ndarray,
                             lengths: jnp.ndarray, owners: tuple[jnp.ndarray, jnp.ndarray] | None = None
                             ) -> jnp.ndarray:
@@ -138,14 +158,18 @@ def ragged_decode_attention(q: jnp.ndarray, k_pages: jnp.ndarray, v_pages: jnp.n
     positions = column[:, None] * page + jnp.arange(page, dtype=jnp.int32)[None, :]  # [P, page]
     seen = jnp.take(lengths, jnp.clip(owner, 0, b - 1))[:, None]
     valid = (owner < b)[:, None] & (positions < seen)  # [P, page]
-    qp = jnp.take(q, jnp.clip(owner, 0, b - 1), axis=0).reshape(num_pages, hkv, g, d)  # [P, K, G, D]
-    scores = jnp.einsum("pkgd,prkd->pkgr", qp, k_pages.astype(q.dtype), preferred_element_type=jnp.float32)
+    qp = owner_rows(q.reshape(b, hq * d), owner).reshape(num_pages, hkv, g, d)  # [P, K, G, D]
+    # One batched matmul per KV head, batched over pages only: with (page, head) batch dims the pool's
+    # [P, page, K, D] layout needs a transposed copy per layer (10 % of the tiny bench's decode step at K = 1).
+    scores = jnp.stack([jnp.einsum("pgd,prd->pgr", qp[:, h], k_pages[:, :, h].astype(q.dtype),
+                                   preferred_element_type=jnp.float32) for h in range(hkv)], axis=1)
     scores = jnp.where(valid[:, None, None, :], scores * (d ** -0.5), -jnp.inf)  # [P, K, G, page]
     top = jax.ops.segment_max(jnp.max(scores, axis=-1), owner, num_segments=b)  # [B, K, G]
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     p = jnp.exp(scores - jnp.take(top, jnp.clip(owner, 0, b - 1), axis=0)[..., None])  # 0 where masked
     total = jax.ops.segment_sum(jnp.sum(p, axis=-1), owner, num_segments=b)  # [B, K, G]
-    out = jax.ops.segment_sum(jnp.einsum("pkgr,prkd->pkgd", p.astype(v_pages.dtype), v_pages,
-                                         preferred_element_type=jnp.float32), owner, num_segments=b)
+    pv = jnp.stack([jnp.einsum("pgr,prd->pgd", p[:, h].astype(v_pages.dtype), v_pages[:, :, h],
+                               preferred_element_type=jnp.float32) for h in range(hkv)], axis=1)
+    out = jax.ops.segment_sum(pv, owner, num_segments=b)
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
     return out.reshape(b, hq, d).astype(q.dtype)
