@@ -25,6 +25,9 @@ def test_bench_kv_tiny_run(capsys):
         assert {"in_flight", "seconds"} <= set(x)
         assert x["tokens_per_s"] == pytest.approx(x["tokens"] / x["seconds"])
         assert 0 < x["in_flight"] <= x["slots"]
+        assert x["decode_s"] > 0 and x["prefill_s"] > 0 and x["host_s"] >= 0
+        assert x["decode_s"] + x["prefill_s"] <= x["times_s"][-1]
+        assert x["ms_per_decode_step"] > 0
     assert r["dense"]["tokens"] == r["paged"]["tokens"]
     assert r["paged"]["peak_pages"] <= 28
     assert r["in_flight_ratio"] == pytest.approx(r["paged"]["in_flight"] / r["dense"]["in_flight"])

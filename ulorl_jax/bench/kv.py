@@ -10,8 +10,9 @@ each request asks for exactly its drawn length, and no EOS ends it early) runs t
   shared by `--paged-slots` slots; samples are admitted while pages last and preempted (then prefilled
   again) when they run out.
 Each engine runs the workload once to compile, then `--repeats` timed runs (median reported). Reported:
-mean samples in flight per decode step, wall seconds, tokens/s, preemptions, and whether every request's
-greedy tokens are equal. `--json` prints one JSON object as the last line.
+mean samples in flight per decode step, wall seconds, tokens/s, preemptions, where the wall time went
+(decode calls, prefill calls, the host loop; ms per decode step), and whether every request's greedy
+tokens are equal. `--json` prints one JSON object as the last line.
 """
 
 from __future__ import annotations
@@ -72,7 +73,12 @@ def _measure(engine, reqs, repeats: int, steps_per_call: int) -> tuple[dict, lis
         out, stats = engine.run(params, reqs, steps_per_call=steps_per_call)
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
-    return {"in_flight": stats.in_flight, "seconds": seconds, "times_s": times,
+    # Where the last timed run's wall time went: decode calls (jitted steps + reading their tokens back),
+    # prefill calls, and the host loop between them (admission, pages, bookkeeping).
+    split = {"decode_s": stats.decode_seconds, "prefill_s": stats.prefill_seconds,
+             "host_s": times[-1] - stats.decode_seconds - stats.prefill_seconds,
+             "ms_per_decode_step": 1e3 * stats.decode_seconds / max(stats.decode_steps, 1)}
+    return {"in_flight": stats.in_flight, "seconds": seconds, "times_s": times, **split,
             "tokens_per_s": stats.tokens_decoded / seconds, "tokens": stats.tokens_decoded,
             "slots": engine.max_concurrent_decodes, "kv_positions": _kv_positions(engine),
             "preemptions": stats.preemptions, "peak_pages": stats.peak_pages,
@@ -125,12 +131,14 @@ def format_table(r: dict) -> str:
     lines = [f"KV cache: {s['requests']} requests, lengths {r['length_distribution']}; prompt {s['prompt_len']}, "
              f"tiny Qwen3 (hidden {s['hidden_size']}, {s['layers']} layers), greedy",
              f"{'cache':<6} {'slots':>5} {'KV positions':>12} {'in flight':>9} {'seconds':>8} {'tokens/s':>9} "
-             f"{'preempted':>9} {'peak pages':>10}"]
+             f"{'preempted':>9} {'peak pages':>10} {'ms/step':>7} {'decode':>6} {'prefill':>7} {'host':>5}"]
     for name in ("dense", "paged"):
         x = r[name]
         peak = f"{x['peak_pages']}" if name == "paged" else "-"
         lines.append(f"{name:<6} {x['slots']:>5} {x['kv_positions']:>12} {x['in_flight']:>9.1f} {x['seconds']:>8.2f} "
-                     f"{x['tokens_per_s']:>9.0f} {x['preemptions']:>9} {peak:>10}")
+                     f"{x['tokens_per_s']:>9.0f} {x['preemptions']:>9} {peak:>10} {x['ms_per_decode_step']:>7.3f} "
+                     f"{x['decode_s']:>6.2f} {x['prefill_s']:>7.2f} {x['host_s']:>5.2f}")
+    lines.append("(ms/step: wall of a decode call / its steps; decode, prefill, host: seconds of the last timed run)")
     lines.append(f"paged / dense: {r['in_flight_ratio']:.2f}x samples in flight, {r['speedup']:.2f}x faster; "
                  f"greedy tokens equal: {r['greedy_equal']}")
     lines += [line for line in (harness.cpu_load_line(r["machine"]),) if line]
