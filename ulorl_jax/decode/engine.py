@@ -936,11 +936,17 @@ class PolicyEngine:
             stats.slot_steps_used += int(steps.valid.sum())
             stats.slot_steps_total += steps.valid.size
             new_tokens = 0
+            # A slot generates from the call's first step until it finishes: its valid steps are a prefix,
+            # copied as list slices (one tolist per array per call, not three fancy-indexed copies per slot).
+            counts = steps.valid.sum(axis=1)
+            prefix = (steps.valid == (np.arange(steps.valid.shape[1])[None, :] < counts[:, None])).all(axis=1)
+            lists = None if stops else (steps.tokens.tolist(), steps.logprobs.tolist(),
+                                        steps.sampling_logprobs.tolist())
             for slot, i in enumerate(slot_req):
                 if i is None:
                     continue
                 c = out[i]
-                idx = np.flatnonzero(steps.valid[slot])
+                idx = None if lists and prefix[slot] else np.flatnonzero(steps.valid[slot])
                 if stops:  # token by token: trim anything decoded past the stop sequence
                     for n in idx:
                         c.tokens.append(int(steps.tokens[slot, n]))
@@ -949,6 +955,12 @@ class PolicyEngine:
                         new_tokens += 1
                         if _ends_with_stop(c.tokens, stops):
                             break
+                elif idx is None:
+                    n = int(counts[slot])
+                    c.tokens += lists[0][slot][:n]
+                    c.logprobs += lists[1][slot][:n]
+                    c.sampling_logprobs += lists[2][slot][:n]
+                    new_tokens += n
                 else:
                     c.tokens += steps.tokens[slot, idx].tolist()
                     c.logprobs += steps.logprobs[slot, idx].tolist()
