@@ -936,36 +936,31 @@ class PolicyEngine:
             stats.slot_steps_used += int(steps.valid.sum())
             stats.slot_steps_total += steps.valid.size
             new_tokens = 0
-            # A slot generates from the call's first step until it finishes: its valid steps are a prefix,
-            # copied as list slices (one tolist per array per call, not three fancy-indexed copies per slot).
+            # A slot generates from the call's first step until it finishes, so its valid steps are a prefix:
+            # copied as list slices (one tolist per array per call, not fancy-indexed copies per slot).
             counts = steps.valid.sum(axis=1)
-            prefix = (steps.valid == (np.arange(steps.valid.shape[1])[None, :] < counts[:, None])).all(axis=1)
-            lists = None if stops else (steps.tokens.tolist(), steps.logprobs.tolist(),
-                                        steps.sampling_logprobs.tolist())
+            if not (steps.valid == (np.arange(steps.valid.shape[1])[None, :] < counts[:, None])).all():
+                raise RuntimeError(f"decode call: a slot's generated steps are not a prefix of the call "
+                                   f"(valid per slot: {steps.valid.astype(int).tolist()})")
+            toks, lps, slps = steps.tokens.tolist(), steps.logprobs.tolist(), steps.sampling_logprobs.tolist()
             for slot, i in enumerate(slot_req):
                 if i is None:
                     continue
                 c = out[i]
-                idx = None if lists and prefix[slot] else np.flatnonzero(steps.valid[slot])
+                n = int(counts[slot])
                 if stops:  # token by token: trim anything decoded past the stop sequence
-                    for n in idx:
-                        c.tokens.append(int(steps.tokens[slot, n]))
-                        c.logprobs.append(float(steps.logprobs[slot, n]))
-                        c.sampling_logprobs.append(float(steps.sampling_logprobs[slot, n]))
+                    for t in range(n):
+                        c.tokens.append(toks[slot][t])
+                        c.logprobs.append(lps[slot][t])
+                        c.sampling_logprobs.append(slps[slot][t])
                         new_tokens += 1
                         if _ends_with_stop(c.tokens, stops):
                             break
-                elif idx is None:
-                    n = int(counts[slot])
-                    c.tokens += lists[0][slot][:n]
-                    c.logprobs += lists[1][slot][:n]
-                    c.sampling_logprobs += lists[2][slot][:n]
-                    new_tokens += n
                 else:
-                    c.tokens += steps.tokens[slot, idx].tolist()
-                    c.logprobs += steps.logprobs[slot, idx].tolist()
-                    c.sampling_logprobs += steps.sampling_logprobs[slot, idx].tolist()
-                    new_tokens += idx.size
+                    c.tokens += toks[slot][:n]
+                    c.logprobs += lps[slot][:n]
+                    c.sampling_logprobs += slps[slot][:n]
+                    new_tokens += n
                 if stops and _ends_with_stop(c.tokens, stops) and not (
                         done[slot] and c.tokens[-1] in self.eos_token_ids):
                     state = self.free_slot(state, slot)
