@@ -193,6 +193,24 @@ def test_jit_cache_stays_small_and_state_round_trips(dense_learner):
         other.load_state_dict({"params": saved["params"], "step": 1})
 
 
+def test_placed_batch_is_not_put_again_and_applies_the_same(dense_learner):
+    """`update` places a batch once and `apply` takes it as it is; a numpy batch gives the same update."""
+    samples = random_samples(31, 4)
+    _, batch = dense_learner.pack(samples)
+    batch["old_from_current"] = np.asarray(True)
+    placed = dense_learner.put_batch(batch)
+    assert dense_learner.put_batch(placed) is placed
+    assert all(isinstance(v, jax.Array) for v in placed.values())
+    start = _host(dense_learner.state_dict())
+    from_numpy = dense_learner.apply(batch)
+    params_numpy = _host(dense_learner.params)
+    dense_learner.load_state_dict(start)
+    from_placed = dense_learner.apply(placed)
+    assert from_placed == from_numpy
+    assert_trees_close(dense_learner.params, params_numpy, 0, 0, "params after a placed vs a numpy batch")
+    assert not np.allclose(jax.tree.leaves(params_numpy)[0], jax.tree.leaves(start["params"])[0])  # it moved
+
+
 def test_sft_update_lowers_nll(dense_learner):
     samples = random_samples(5, 4)
     first = dense_learner.sft_update(samples)

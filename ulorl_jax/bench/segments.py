@@ -65,9 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hidden-size", type=int, default=32, help="default 32")
     g.add_argument("--layers", type=int, default=2, help="default 2")
     g.add_argument("--vocab", type=int, default=64, help="default 64")
-    g.add_argument("--remat", choices=choices.REMAT, default="full",
-                   help="learner rematerialisation (trainer.remat; default full, the full-size default; "
-                        "configs/tiny_cpu.yaml trains with none)")
+    g.add_argument("--remat", choices=choices.REMAT, default="none",
+                   help="learner rematerialisation (trainer.remat; default none, as configs/tiny_cpu.yaml trains a "
+                        "tiny model on a CPU; full is the full-size default)")
+    g.add_argument("--micro-batch-rows", type=int, default=4,
+                   help="learner rows per micro-batch (learner.micro_batch_rows; default 4: an update's 8 samples "
+                        "pack into 3-5 rows of prompt + global max tokens, one micro-batch for most updates)")
     g = parser.add_argument_group("projection (cost model, no measurement)")
     g.add_argument("--model-scale", choices=sorted(sc.MODEL_SCALES), default=None,
                    help="project the paper's setting for this model instead of measuring")
@@ -276,7 +279,8 @@ def build(s: dict):
     budget = {"prefill_token_budget": s["prefill_token_budget"]} if s.get("prefill_token_budget") else {}
     engine = PolicyEngine(model, max_concurrent_decodes=slots, max_prefill_length=p + gmax, max_cache_len=p + gmax,
                           prefill_fanout=s["n"], **budget)
-    learner = Learner(model, LearnerConfig(row_len=p + gmax, micro_batch_rows=1, logprob_chunk=p + gmax,
+    learner = Learner(model, LearnerConfig(row_len=p + gmax, micro_batch_rows=s["micro_batch_rows"],
+                                           logprob_chunk=p + gmax,
                                            mask_mode="dmmpt", lr=1e-4, remat=s["remat"]))
     return ks, engine, learner
 
@@ -284,8 +288,8 @@ def build(s: dict):
 def run(args) -> dict:
     s = settings(args)
     for name in ("global_max_len", "prompts_per_step", "n", "prompt_len", "steps", "steps_per_call",
-                 "hidden_size", "layers", "vocab", "gpus", "projection_max_len", "projection_prompts",
-                 "projection_n", "projection_prompt_len"):
+                 "hidden_size", "layers", "vocab", "micro_batch_rows", "gpus", "projection_max_len",
+                 "projection_prompts", "projection_n", "projection_prompt_len"):
         if not isinstance(s[name], int) or s[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {s[name]!r}")
     if s["prefill_token_budget"] is not None and (not isinstance(s["prefill_token_budget"], int)
@@ -381,7 +385,8 @@ def format_table(r: dict) -> str:
         f"tiny qwen3 hidden {s['hidden_size']}, {s['layers']} layers, vocab {s['vocab']}; {s['prompts_per_step']} "
         f"prompts x {s['n']} per step, prompt {s['prompt_len']}, global max {s['global_max_len']}; engine "
         f"{r['engine_slots']} slots, {s['steps_per_call']} steps/call, prefill budget "
-        f"{r.get('prefill_token_budget', '-')} tokens/call; learner remat {s.get('remat', 'full')}",
+        f"{r.get('prefill_token_budget', '-')} tokens/call; learner remat {s.get('remat', 'full')}, "
+        f"{s.get('micro_batch_rows', 1)} rows per micro-batch",
         f"lengths: {r['length_distribution']}",
         "",
         f"{'K':>3}{'seg':>5}{'s/update':>10}{'speedup':>9}{'ideal':>7}{'% ideal':>8}{'rollout s':>10}{'prefill':>8}"

@@ -422,8 +422,13 @@ class Learner:
         return packed, batch
 
     def put_batch(self, batch: dict) -> dict:
-        """A packed batch (numpy, from `pack`) on the devices, laid out as the jitted steps take it."""
-        return jax.device_put(batch, {k: self._batch_sh[k] for k in batch})
+        """A packed batch (numpy, from `pack`) on the devices, laid out as the jitted steps take it. A batch
+        already placed (what `update` hands `apply`) is returned as it is: `device_put` of placed arrays
+        still costs about 0.2 ms per batch on a CPU."""
+        shardings = {k: self._batch_sh[k] for k in batch}
+        if all(isinstance(v, jax.Array) and v.sharding == shardings[k] for k, v in batch.items()):
+            return batch
+        return jax.device_put(batch, shardings)
 
     def lower_update(self, samples: Sequence[TrainSample]):
         """The jitted policy train step for `samples`' packed batch, lowered (not run): `.compile()` gives
