@@ -150,3 +150,21 @@ def test_bad_input_names_the_request(model):
         engine.prefill_many(params, state, [Request([1], 30, 0)], [0])
     with pytest.raises(ValueError, match="prefill_token_budget"):
         PolicyEngine(model, max_concurrent_decodes=4, max_prefill_length=16, max_cache_len=24, prefill_token_budget=0)
+
+
+def test_host_keys_equal_jax_keys_bit_for_bit():
+    """Batched prefill ships each request's key as raw uint32 [2]; an int seed's host shortcut must be the
+    key `jax.random.PRNGKey` makes, and every other kind of key must come through unchanged."""
+    from ulorl_jax.decode.engine import _host_key
+
+    for seed in (0, 1, 7, 12345, 2**16 + 3, 2**31 - 1, np.int32(99), np.int64(2**30)):
+        got = _host_key(seed)
+        assert got.dtype == np.uint32 and got.shape == (2,)
+        np.testing.assert_array_equal(got, np.asarray(jax.random.PRNGKey(int(seed))), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(_host_key(-1), np.asarray(jax.random.PRNGKey(-1)))  # outside it: jax's own
+    raw = jax.random.fold_in(jax.random.PRNGKey(3), 4)
+    np.testing.assert_array_equal(_host_key(raw), np.asarray(raw))
+    typed = jax.random.key(5)
+    np.testing.assert_array_equal(_host_key(typed), np.asarray(jax.random.key_data(typed)))
+    host = np.array([1, 2], np.uint32)
+    assert _host_key(host) is host
