@@ -11,8 +11,10 @@ workload does not depend on what the random model emits. Complete groups
 queue in order; whenever `--prompts-per-step` groups are ready the learner
 trains on exactly those samples (a fixed number of trained samples per
 update). After `num_segments + 1` warm-up steps (the pools fill up) the
-next `--steps` steps are timed; a step during which anything compiled
-(engine or learner) is left out and counted. Reported per K:
+next `--steps` steps are timed (96 by default: on a 2-core CPU seven runs then
+agree within 5 % at K = 4 and 7 % at K = 8, where 24-step windows differed by
+up to 12 %); a step during which anything compiled (engine or learner) is left
+out and counted. Reported per K:
 seconds per update (rollout + learn), speedup over K = 1, the ideal speedup
 of the same lengths (critical path: `segment_cost.ideal_speedups`), the
 rollout / learn split, slot occupancy, staleness (policy versions per
@@ -55,7 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--body", type=float, default=0.8, help="fraction of lengths uniform in [1, max/2] (default 0.8)")
     g.add_argument("--truncated", type=float, default=0.05,
                    help="fraction running to the global max (truncated; default 0.05); the rest: (max/2, max]")
-    g.add_argument("--steps", type=int, default=6, help="timed RL steps per K after warm-up (default 6)")
+    g.add_argument("--steps", type=int, default=96,
+                   help="timed RL steps per K after warm-up (default 96, about a minute on 2 CPU cores: over "
+                        "fewer steps the window's lengths, not the engine, move the ratios; see "
+                        "benchmarks/results/segments.md)")
     g.add_argument("--steps-per-call", type=int, default=8, help="engine decode steps per jitted call (default 8)")
     g.add_argument("--prefill-token-budget", type=int, default=None,
                    help="engine's padded tokens per batched prefill call (default: the engine's, "
