@@ -7,7 +7,6 @@ and, with `--json`, one JSON object as the last line of stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -54,20 +53,6 @@ def _export(args) -> int:
     return 0
 
 
-def _bench_forward(args) -> int:
-    from ulorl_jax.bench import forward
-
-    try:
-        import torch  # noqa: F401  (the PyTorch side of the comparison)
-    except ModuleNotFoundError:
-        raise ValueError("bench forward compares against PyTorch: install it with pip install -e '.[test]'") from None
-    result = forward.run(args)
-    print(forward.format_table(result))
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ulorl",
@@ -107,10 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="MoE tensor layout (default: per_expert, the layout transformers writes)")
     export.set_defaults(func=_export)
 
-    from ulorl_jax.rollout import generate  # `ulorl generate`: segment rollout with fixed weights
+    from ulorl_jax.rollout import (
+        generate,  # `ulorl generate`: segment rollout with fixed weights
+    )
 
     generate.add_parser(sub)
-    from ulorl_jax.decode import serve  # `ulorl serve`: JetStream's orchestrator + gRPC (extra: jetstream)
+    from ulorl_jax.decode import (
+        serve,  # `ulorl serve`: JetStream's orchestrator + gRPC (extra: jetstream)
+    )
 
     serve.add_parser(sub)
     from ulorl_jax import plot  # `ulorl plot RUN_DIR`
@@ -122,25 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; each prints a table (and JSON with --json)")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    fwd = bench_sub.add_parser("forward", help="forward and forward+backward tokens/s: JAX vs PyTorch (HF)",
-                               description="Same config, same weights, same tokens, side by side in one run.")
-    from ulorl_jax.bench import forward
+    from ulorl_jax.bench import (
+        attention,
+        compare,
+        decode,
+        forward,
+        kv,
+        learner,
+        segments,
+    )
 
-    forward.add_arguments(fwd)
-    fwd.set_defaults(func=_bench_forward)
-    from ulorl_jax.bench import decode as bench_decode
-
-    bench_decode.add_parser(bench_sub)
-    from ulorl_jax.bench import attention as bench_attention
-
-    bench_attention.add_parser(bench_sub)
-    from ulorl_jax.bench import learner as bench_learner
-
-    bench_learner.add_parser(bench_sub)
-    from ulorl_jax.bench import compare as bench_compare, kv as bench_kv, segments as bench_segments
+    for bench_module in (forward, decode, attention, learner, segments, compare, kv):
+        bench_module.add_parser(bench_sub)
     from ulorl_jax import plan
 
-    bench_segments.add_parser(bench_sub), bench_compare.add_parser(bench_sub), bench_kv.add_parser(bench_sub)
     plan.add_parser(sub)
     return parser
 

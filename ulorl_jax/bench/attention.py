@@ -33,6 +33,8 @@ import statistics
 import sys
 import time
 
+from ulorl_jax.bench import harness
+
 MAX_SCORES_GB = 40.0  # XLA attention beyond this is skipped instead of run out of memory
 HBM_PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}  # vendor peaks, GB/s
 
@@ -385,21 +387,14 @@ def _main(args) -> int:
     return 0
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `ulorl bench attention`."""
-    p = subparsers.add_parser(
-        "attention", help="attention / decode / grouped-matmul kernel throughput vs cuDNN, XLA, torch",
-        description=__doc__.split("\n\n")[0] + " See `python benchmarks/attention.py` for the GPU table.")
-    add_arguments(p)
-    p.set_defaults(func=_main)
-    return p
+def add_parser(bench_subparsers) -> argparse.ArgumentParser:
+    return harness.add_bench_parser(
+        bench_subparsers, "attention", "attention / decode / grouped-matmul kernel throughput vs cuDNN, XLA, torch",
+        __doc__.split("\n\n")[0] + " See `python benchmarks/attention.py` for the GPU table.", add_arguments, _main)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulorl_jax.bench.attention", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return _main(parser.parse_args(argv))
+    return harness.standalone_main("ulorl_jax.bench.attention", __doc__, add_arguments, _main, argv)
 
 
 if __name__ == "__main__":

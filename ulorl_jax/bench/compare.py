@@ -26,8 +26,8 @@ import tempfile
 import time
 
 from ulorl_jax import choices
-from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
+from ulorl_jax.bench import harness
 from ulorl_jax.bench import learner as bl
 
 
@@ -346,10 +346,7 @@ def format_table(r: dict) -> str:
 
 
 def _cli(args) -> int:
-    try:
-        import torch  # noqa: F401
-    except ModuleNotFoundError:
-        raise ValueError("bench compare needs PyTorch: install it with pip install -e '.[test]'") from None
+    harness.require_torch("bench compare")
     if args.sweep_seq_lens:
         result = run_sweep(args)
         return harness.print_result(result, format_sweep(result), args.json)
@@ -358,19 +355,12 @@ def _cli(args) -> int:
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("compare", help="XLA vs PyTorch: learner step and decode, same Qwen3-MoE "
-                                                    "and tokens (eager and torch.compile)",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=_cli)
-    return p
+    return harness.add_bench_parser(bench_subparsers, "compare", "XLA vs PyTorch: learner step and decode, same "
+                                    "Qwen3-MoE and tokens (eager and torch.compile)", __doc__, add_arguments, _cli)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulorl_jax.bench.compare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return _cli(parser.parse_args(argv))
+    return harness.standalone_main("ulorl_jax.bench.compare", __doc__, add_arguments, _cli, argv)
 
 
 if __name__ == "__main__":

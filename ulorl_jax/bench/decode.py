@@ -25,8 +25,8 @@ import statistics
 import tempfile
 import time
 
-from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
+from ulorl_jax.bench import harness
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,18 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("decode", help="decode tokens/s: our engine vs transformers generate",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=_cli)
-    return p
+    return harness.add_bench_parser(bench_subparsers, "decode", "decode tokens/s: our engine vs transformers "
+                                    "generate", __doc__, add_arguments, _cli)
 
 
 def _cli(args) -> int:
-    try:
-        import torch  # noqa: F401
-    except ModuleNotFoundError:
-        raise ValueError("bench decode compares against PyTorch: install it with pip install -e '.[test]'") from None
+    harness.require_torch("bench decode")
     result = run(args)
     return harness.print_result(result, format_table(result), args.json)
 

@@ -259,7 +259,8 @@ def run(args) -> dict:
         "tokens_per_step": n_tokens,
     }
     for case in ("forward", "forward_backward"):
-        jx, tc = harness.timing_stats(times[(case, "jax")], n_tokens), harness.timing_stats(times[(case, "torch")], n_tokens)
+        jx = harness.timing_stats(times[(case, "jax")], n_tokens)
+        tc = harness.timing_stats(times[(case, "torch")], n_tokens)
         result[case] = {"jax": jx, "torch": tc, "ratio_jax_over_torch": jx["tokens_per_s"] / tc["tokens_per_s"]}
     result["first_call_s"] = {
         "jax_forward": first_s[("forward", "jax")],
@@ -344,14 +345,22 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m ulorl_jax.bench.forward",
-        description="Forward and forward+backward tokens/s, JAX vs PyTorch (HF): same config, weights, tokens.")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+DESCRIPTION = "Forward and forward+backward tokens/s, JAX vs PyTorch (HF): same config, weights, tokens."
+
+
+def _cli(args) -> int:
+    harness.require_torch("bench forward")
     result = run(args)
     return harness.print_result(result, format_table(result), args.json)
+
+
+def add_parser(bench_subparsers) -> argparse.ArgumentParser:
+    return harness.add_bench_parser(bench_subparsers, "forward", "forward and forward+backward tokens/s: JAX vs "
+                                    "PyTorch (HF)", DESCRIPTION, add_arguments, _cli)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.standalone_main("ulorl_jax.bench.forward", DESCRIPTION, add_arguments, _cli, argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Public so that `ulorl plan`, the benches and `benchmarks/` scripts measure and r
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -96,6 +97,32 @@ def cpu_load_line(machine: dict) -> str | None:
     noisy = "  <- noisy: timings unreliable" if bg["other_processes_frac"] > NOISY_OTHER_FRAC else ""
     return (f"CPU during timing (fraction of all cores): this process {bg['this_process_frac']:.2f}, "
             f"other processes {bg['other_processes_frac']:.2f}, steal {bg.get('steal_frac', 0.0):.2f}{noisy}")
+
+
+def require_torch(what: str) -> None:
+    """A clear error, naming the bench, when PyTorch (the `test` extra) is missing for a side-by-side run."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError:
+        raise ValueError(f"{what} compares against PyTorch: install it with pip install -e '.[test]'") from None
+
+
+def add_bench_parser(bench_subparsers, name: str, help: str, description: str, add_arguments, cli
+                     ) -> argparse.ArgumentParser:
+    """Register `ulorl bench NAME`: its options from `add_arguments(parser)`, run by `cli(args)`."""
+    p = bench_subparsers.add_parser(name, help=help, description=description,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=cli)
+    return p
+
+
+def standalone_main(module: str, description: str, add_arguments, cli, argv: list[str] | None) -> int:
+    """`python -m MODULE [options]`: the same bench as `ulorl bench ...`, without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return cli(parser.parse_args(argv))
 
 
 def print_result(result: dict, table: str, as_json: bool) -> int:

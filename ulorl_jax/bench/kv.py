@@ -151,19 +151,12 @@ def _cli(args) -> int:
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("kv", help="paged vs dense KV cache under one memory budget: samples in flight, "
-                                               "wall time, equal greedy tokens",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=_cli)
-    return p
+    return harness.add_bench_parser(bench_subparsers, "kv", "paged vs dense KV cache under one memory budget: "
+                                    "samples in flight, wall time, equal greedy tokens", __doc__, add_arguments, _cli)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulorl_jax.bench.kv", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return _cli(parser.parse_args(argv))
+    return harness.standalone_main("ulorl_jax.bench.kv", __doc__, add_arguments, _cli, argv)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ import sys
 import tempfile
 import time
 
-from ulorl_jax.bench import harness
 from ulorl_jax.bench import forward as fwd
+from ulorl_jax.bench import harness
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -271,26 +271,18 @@ def format_table(result: dict) -> str:
 
 
 def _cli(args) -> int:
-    try:
-        import torch  # noqa: F401
-    except ModuleNotFoundError:
-        raise ValueError("bench learner compares against PyTorch: install it with pip install -e '.[test]'") from None
+    harness.require_torch("bench learner")
     result = run(args)
     return harness.print_result(result, format_table(result), args.json)
 
 
-def add_parser(subparsers) -> None:
-    """`ulorl bench learner`: wired in by cli.py."""
-    p = subparsers.add_parser("learner", help="UloRL train-step tokens/s and memory: JAX vs PyTorch (HF)",
-                              description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    p.set_defaults(func=_cli)
+def add_parser(bench_subparsers) -> argparse.ArgumentParser:
+    return harness.add_bench_parser(bench_subparsers, "learner", "UloRL train-step tokens/s and memory: JAX vs "
+                                    "PyTorch (HF)", __doc__.split("\n\n")[0], add_arguments, _cli)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulorl_jax.bench.learner", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return _cli(parser.parse_args(argv))
+    return harness.standalone_main("ulorl_jax.bench.learner", __doc__.split("\n\n")[0], add_arguments, _cli, argv)
 
 
 if __name__ == "__main__":

@@ -425,19 +425,13 @@ def _cli(args) -> int:
 
 
 def add_parser(bench_subparsers) -> argparse.ArgumentParser:
-    p = bench_subparsers.add_parser("segments", help="segment-rollout speedup per num_segments (paper Table 1); "
-                                                     "--model-scale for a GPU cost-model projection",
-                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=_cli)
-    return p
+    return harness.add_bench_parser(bench_subparsers, "segments", "segment-rollout speedup per num_segments (paper "
+                                    "Table 1); --model-scale for a GPU cost-model projection", __doc__,
+                                    add_arguments, _cli)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ulorl_jax.bench.segments", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return _cli(parser.parse_args(argv))
+    return harness.standalone_main("ulorl_jax.bench.segments", __doc__, add_arguments, _cli, argv)
 
 
 if __name__ == "__main__":
