@@ -152,6 +152,7 @@ def test_wrong_type_names_key_value_and_expected(override, pattern):
     (["algorithm.entropy_mode=token"], r"algorithm\.entropy_mode"),
     (["algorithm.loss_agg_mode=seq-mean"], r"algorithm\.loss_agg_mode"),
     (["rollout.backend=vllm"], r"rollout\.backend='vllm'"),
+    (["rollout.preemption=swapped"], r"rollout\.preemption='swapped': expected one of \['recompute', 'swap'\]"),
     (["model.attention_impl=flash"], r"model\.attention_impl='flash'"),
     (["model.moe_impl=sparse"], r"model\.moe_impl"),
     (["reward.kind=llm"], r"reward\.kind='llm'"),
@@ -351,6 +352,7 @@ def test_rollout_engine_reward_and_sampling_take_their_options_by_name():
     cfg = load_config("tiny_cpu", ["rollout.global_max_len=96", "rollout.num_segments=3", "rollout.n=5", "trainer.ppo_mini_batch_size=40",
                                    "rollout.temperature=0.7", "rollout.top_k=11", "rollout.top_p=0.9",
                                    "rollout.prefill_buckets=[16,64,136]", "rollout.prefill_token_budget=640",
+                                   "rollout.page_size=8", "rollout.kv_pages=50", "rollout.preemption=swap",
                                    "eval.temperature=0.6", "eval.top_k=7", "eval.top_p=0.8",
                                    "reward.timeout_s=2.5", "reward.workers=0", "reward.extraction=math_verify",
                                    "reward.answer_pattern=ans=(\\d+)", "mesh.data=2", "mesh.fsdp=1"])
@@ -374,6 +376,7 @@ def test_rollout_engine_reward_and_sampling_take_their_options_by_name():
     assert (engine.max_concurrent_decodes, engine.max_cache_len) == (3, 136)
     assert engine.prefill_buckets == (16, 64, 136)
     assert engine.prefill_token_budget == 640
+    assert (engine.kv_cache, engine.page_size, engine.num_pages, engine.preemption) == ("paged", 8, 50, "swap")
     assert engine.sampling == rc.sampling and engine.eos_token_ids == rc.eos_token_ids
 
 

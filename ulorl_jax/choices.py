@@ -19,6 +19,8 @@ ROLLOUT_BACKENDS = ("engine", "jetstream")
 DECODE_MESHES = ("auto", "learner", "replicate", "shard", "first_device")
 # the decode engine's KV cache (decode/cache_layout.py): shared pages, or one max-length row per slot
 KV_CACHES = ("paged", "dense")
+# a sample preempted for want of KV pages: prefilled again from its tokens, or its pages kept in host memory
+PREEMPTIONS = ("recompute", "swap")
 DTYPES = ("float32", "bfloat16", "float16")
 ON_BAD_ROW = ("skip", "error")
 ON_SAVE_ERROR = ("stop", "continue")

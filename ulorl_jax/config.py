@@ -142,6 +142,9 @@ class RolloutOptions:
     kv_cache: str = "paged"
     page_size: int = 64
     kv_pages: int | None = None
+    # a sample preempted when the pool runs out: recompute = prefilled again from its prompt + tokens so far;
+    # swap = its KV pages wait in host memory and are copied back (no prefill; host memory of its KV size)
+    preemption: str = "recompute"
 
     @property
     def segment_len(self) -> int:

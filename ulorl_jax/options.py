@@ -27,6 +27,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.backend": choices.ROLLOUT_BACKENDS,
     "rollout.decode_mesh": choices.DECODE_MESHES,
     "rollout.kv_cache": choices.KV_CACHES,
+    "rollout.preemption": choices.PREEMPTIONS,
     "algorithm.is_mode": choices.IS_MODES,
     "algorithm.mask_mode": choices.MASK_MODES,
     "algorithm.entropy_mode": choices.ENTROPY_MODES,

@@ -8,12 +8,14 @@ import pytest
 
 
 @pytest.mark.slow
-def test_bench_kv_tiny_run(capsys):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_bench_kv_tiny_run(capsys, preemption):
     from ulorl_jax.cli import main
 
-    rc = main(["bench", "kv", "--requests", "12", "--global-max-len", "48", "--dense-slots", "2",
+    # One decode step per call: admission keeps back one page per sample in flight, so samples outgrow the pool.
+    rc = main(["bench", "kv", "--requests", "16", "--global-max-len", "48", "--dense-slots", "2",
                "--paged-slots", "8", "--page-size", "4", "--hidden-size", "32", "--layers", "1", "--vocab", "64",
-               "--repeats", "1", "--json"])
+               "--steps-per-call", "1", "--repeats", "1", "--preemption", preemption, "--json"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     r = json.loads(out[-1])
@@ -26,10 +28,13 @@ def test_bench_kv_tiny_run(capsys):
         assert x["tokens_per_s"] == pytest.approx(x["tokens"] / x["seconds"])
         assert 0 < x["in_flight"] <= x["slots"]
         assert x["decode_s"] > 0 and x["prefill_s"] > 0 and x["host_s"] >= 0
-        assert x["decode_s"] + x["prefill_s"] <= x["times_s"][-1]
+        assert x["decode_s"] + x["prefill_s"] + x["swap_s"] <= x["times_s"][-1]
         assert x["ms_per_decode_step"] > 0
     assert r["dense"]["tokens"] == r["paged"]["tokens"]
     assert r["paged"]["peak_pages"] <= 28
+    assert r["settings"]["preemption"] == preemption
+    assert r["paged"]["preemptions"] > 0  # the workload outgrows the pool: the chosen preemption runs
+    assert (r["paged"]["swap_s"] > 0) == (preemption == "swap") and r["dense"]["swap_s"] == 0
     assert r["in_flight_ratio"] == pytest.approx(r["paged"]["in_flight"] / r["dense"]["in_flight"])
     assert r["speedup"] == pytest.approx(r["dense"]["seconds"] / r["paged"]["seconds"])
     assert "greedy tokens equal: True" in "\n".join(out)

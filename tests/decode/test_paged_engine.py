@@ -1,6 +1,8 @@
 """PolicyEngine with the paged KV cache: the same tokens as the dense cache, preemption when pages run
 out, admission by pages, clear errors."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -43,6 +45,70 @@ def test_tiny_pool_preempts_and_equals_the_dense_cache(model, sampling):
         assert b.stop == a.stop
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
+def test_swap_preemption_equals_enough_pages(model, sampling, monkeypatch):
+    """preemption="swap" on the same tiny pool: preempted samples' pages go to host memory and come back
+    into other pages, with no second prefill. Tokens equal the dense engine's and a paged run with pages
+    enough that nothing is preempted; log-probs equal the latter's up to float rounding (the pool's size
+    changes the decode attention's sums: 5e-7 here, as much as a run that recomputes). Copies go one page
+    at a time here, so a sample's pages take several calls."""
+    import ulorl_jax.decode.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SWAP_CHUNK_BYTES", 1)  # one page per copy call
+    reqs = requests()
+    dense = engine(model, sampling, max_concurrent_decodes=4)
+    want, _ = dense.run(dense.load_params(), reqs)
+    roomy = engine(model, sampling, max_concurrent_decodes=8, kv_cache="paged", page_size=4)
+    exact, none = roomy.run(roomy.load_params(), reqs, steps_per_call=1)
+    swap = engine(model, sampling, max_concurrent_decodes=8, kv_cache="paged", page_size=4, num_pages=14,
+                  preemption="swap")
+    got, stats = swap.run(swap.load_params(), reqs, steps_per_call=1)
+    assert none.preemptions == 0 and stats.preemptions > 0
+    assert stats.peak_pages <= 14 and stats.swap_seconds > 0
+    assert stats.prefills == len(reqs)  # each request prefilled once: readmission copies, not prefills
+    for i, (a, b, c) in enumerate(zip(want, exact, got)):
+        assert c.tokens == a.tokens == b.tokens, f"request {i}"
+        np.testing.assert_allclose(c.logprobs, b.logprobs, atol=1e-5, rtol=0, err_msg=f"request {i}")
+        np.testing.assert_allclose(c.sampling_logprobs, b.sampling_logprobs, atol=1e-5, rtol=0)
+        assert c.stop == a.stop
+
+
+def test_swap_out_and_in_moves_a_slot_to_other_pages(model):
+    """swap_out then swap_in into different pages of the pool: the decode state's row and the K/V at the
+    slot's cached positions are restored exactly, and the next decode call gives the same tokens."""
+    eng = engine(model, GREEDY, max_concurrent_decodes=2, kv_cache="paged", page_size=4, num_pages=16)
+    params = eng.load_params()
+    reqs = requests(2, seed=4)
+    _, stats = eng.run(params, reqs)  # reference run: tokens of both requests
+    assert stats.preemptions == 0
+    pool = PagePool(16, 4, 2, eng.max_pages_per_slot)
+    for slot, r in enumerate(reqs):
+        assert pool.grow(slot, len(r.prompt_ids) + 4)
+    state = eng._with_page_table(eng.init_decode_state(), pool.table())
+    state, _ = eng._prefill_many(params, state, [np.asarray(r.prompt_ids, np.int32) for r in reqs],
+                                 [r.max_new_tokens for r in reqs], [np.array([0, r.key], np.uint32) for r in reqs],
+                                 [0, 1], GREEDY, 1, [None, None])
+    state, _ = eng.generate_steps(params, state, 3)
+    before = np.asarray(state.cache.k[0]).copy()
+    _, want = eng.generate_steps(params, jax.tree.map(jnp.copy, state), 3)  # the next call, undisturbed
+    out = eng.swap_out(state, 1, pool.owned(1))
+    state = eng.free_slot(state, 1)
+    pool.release(1)
+    assert pool.grow(0, len(reqs[0].prompt_ids) + 12)  # slot 0 takes pages slot 1 gave back
+    assert pool.grow(1, int(out.row.index) + 4)  # slot 1 comes back into other pages
+    state = eng._with_page_table(state, pool.table())
+    state = eng.swap_in(state, 1, pool.owned(1), out)
+    again = eng.swap_out(state, 1, pool.owned(1))
+    for a, b in zip(out.k + out.v + tuple(out.row), again.k + again.v + tuple(again.row)):
+        np.testing.assert_array_equal(a, b)
+    assert not bool(np.asarray(state.done)[1])
+    assert not np.array_equal(before, np.asarray(state.cache.k[0]))  # the pool changed: pages moved
+    _, got = eng.generate_steps(params, state, 3)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.valid), np.asarray(want.valid))
+    assert np.asarray(want.valid)[1].all()
+
+
 def test_enough_pages_keeps_more_samples_in_flight(model):
     """The dense cache's memory (4 slots x 64 positions = 64 pages of 4) as a pool for 16 slots: short
     samples no longer wait for a slot (the long ones are preempted now and then); tokens equal; stop
@@ -80,6 +146,8 @@ def test_paged_engine_refuses_the_calls_that_bypass_its_pages(model):
         paged.prefill_many(paged.load_params(), state, [Request([1, 2], 3, 0)], [0])
     with pytest.raises(ValueError, match="kv_cache="):
         engine(model, GREEDY, max_concurrent_decodes=2, kv_cache="pages")
+    with pytest.raises(ValueError, match=r"preemption='swapped': expected one of \('recompute', 'swap'\)"):
+        engine(model, GREEDY, max_concurrent_decodes=2, kv_cache="paged", preemption="swapped")
 
 
 def test_page_pool_hands_out_and_takes_back_pages():
@@ -94,3 +162,22 @@ def test_page_pool_hands_out_and_takes_back_pages():
     pool.release(0)
     assert pool.free_pages == 5 and pool.peak_used == 4
     assert pool.grow(2, 100) and len(pool.owned(2)) == 4  # capped at max_pages_per_slot
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices; see tests/conftest.py")
+def test_swap_preemption_on_a_mesh_equals_one_device():
+    """The swap copies under an 8-device mesh (slots over fsdp x expert, KV heads over tensor): the same
+    greedy tokens as the one-device dense engine, through preemptions."""
+    from ulorl_jax.sharding import MeshConfig, make_mesh, shard_model
+
+    config = tiny_config("qwen3")
+    reqs = requests()
+    dense = engine(init_model(config, seed=3), GREEDY, max_concurrent_decodes=4)
+    want, _ = dense.run(dense.load_params(), reqs)
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
+    sharded = engine(shard_model(init_model(config, seed=3), mesh), GREEDY, mesh=mesh, max_concurrent_decodes=8,
+                     kv_cache="paged", page_size=4, num_pages=14, preemption="swap")
+    got, stats = sharded.run(sharded.load_params(), reqs, steps_per_call=1)
+    assert stats.preemptions > 0 and stats.prefills == len(reqs)
+    assert [c.tokens for c in got] == [c.tokens for c in want]

@@ -200,3 +200,33 @@ def test_a_bad_hook_is_refused_by_name():
         StepHook("x", 1, lambda tr, m: None, stage="before")
     with pytest.raises(ValueError, match="hook 'x': every=-1"):
         StepHook("x", -1, lambda tr, m: None)
+
+
+@pytest.mark.slow
+def test_a_small_kv_pool_preempts_and_trains_the_same_samples(tmp_path, monkeypatch):
+    """rollout.kv_pages far below the batch's need (and no pages kept back at admission, so that samples
+    outgrow the pool mid-segment): the rollout preempts (kv_preemptions in metrics.jsonl, pages within the
+    pool) and, recomputing or swapping, trains on the same tokens as the default pool."""
+    import ulorl_jax.decode.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ADMIT_LOOKAHEAD_CALLS", 0)
+    longer = ("trainer.total_steps=2", "checkpoint.save_every=0", "rollout.global_max_len=48",
+              "rollout.num_segments=2", "rollout.page_size=4")
+
+    def run(name, *extra):
+        trainer = Trainer(tiny_config(*longer, *extra), tmp_path / name)
+        try:
+            trainer.fit()
+            return ([[s.response_ids for s in g] for g in trainer.last_trained_groups],
+                    read_metrics(tmp_path / name))
+        finally:
+            trainer.close()
+
+    want, roomy = run("roomy")
+    assert sum(r["kv_preemptions"] for r in roomy) == 0
+    assert want and any(len(r) > 24 for g in want for r in g), "no sample outgrew a segment"
+    for preemption in ("recompute", "swap"):
+        got, metrics = run(preemption, "rollout.kv_pages=24", f"rollout.preemption={preemption}")
+        assert sum(r["kv_preemptions"] for r in metrics) > 0, preemption
+        assert 0 < max(r["kv_peak_pages"] for r in metrics) <= 24
+        assert got == want, preemption

@@ -7,11 +7,11 @@ each request asks for exactly its drawn length, and no EOS ends it early) runs t
 `PolicyEngine`, greedy, twice:
 - dense: `--dense-slots` slots, each a KV row of prompt + global max positions;
 - paged: the same KV memory as pages of `--page-size` positions (dense slots x max length / page size),
-  shared by `--paged-slots` slots; samples are admitted while pages last and preempted (then prefilled
-  again) when they run out.
+  shared by `--paged-slots` slots; samples are admitted while pages last and preempted when they run
+  out (then prefilled again, or with `--preemption swap` their pages copied to host memory and back).
 Each engine runs the workload once to compile, then `--repeats` timed runs (median reported). Reported:
 mean samples in flight per decode step, wall seconds, tokens/s, preemptions, where the wall time went
-(decode calls, prefill calls, the host loop; ms per decode step), and whether every request's greedy
+(decode calls, prefill calls, swap copies, the host loop; ms per decode step), and whether every request's greedy
 tokens are equal. `--json` prints one JSON object as the last line.
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from ulorl_jax.bench import harness
 from ulorl_jax.bench import segment_cost as sc
+from ulorl_jax.choices import PREEMPTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="paged cache slots (default 16: about what the pool holds for these lengths; an idle "
                         "slot still costs decode work)")
     g.add_argument("--page-size", type=int, default=16, help="positions per KV page (default 16)")
+    g.add_argument("--preemption", choices=PREEMPTIONS, default="recompute",
+                   help="the paged engine's preempted samples: prefilled again (recompute, the default) or "
+                        "their pages kept in host memory (swap)")
     g.add_argument("--steps-per-call", type=int, default=8, help="decode steps per jitted call (default 8)")
     g.add_argument("--repeats", type=int, default=2, help="timed runs per engine after the compile run (default 2)")
     g = parser.add_argument_group("model (tiny Qwen3)")
@@ -74,9 +78,10 @@ def _measure(engine, reqs, repeats: int, steps_per_call: int) -> tuple[dict, lis
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
     # Where the last timed run's wall time went: decode calls (jitted steps + reading their tokens back),
-    # prefill calls, and the host loop between them (admission, pages, bookkeeping).
-    split = {"decode_s": stats.decode_seconds, "prefill_s": stats.prefill_seconds,
-             "host_s": times[-1] - stats.decode_seconds - stats.prefill_seconds,
+    # prefill calls, swap copies (preemption="swap"), and the host loop between them (admission, pages,
+    # bookkeeping).
+    split = {"decode_s": stats.decode_seconds, "prefill_s": stats.prefill_seconds, "swap_s": stats.swap_seconds,
+             "host_s": times[-1] - stats.decode_seconds - stats.prefill_seconds - stats.swap_seconds,
              "ms_per_decode_step": 1e3 * stats.decode_seconds / max(stats.decode_steps, 1)}
     return {"in_flight": stats.in_flight, "seconds": seconds, "times_s": times, **split,
             "tokens_per_s": stats.tokens_decoded / seconds, "tokens": stats.tokens_decoded,
@@ -111,7 +116,7 @@ def run(args) -> dict:
     dense = PolicyEngine(model, max_concurrent_decodes=s["dense_slots"], kv_cache="dense", **common)
     pages = s["dense_slots"] * max_len // s["page_size"]  # the dense cache's memory, whole pages
     paged = PolicyEngine(model, max_concurrent_decodes=s["paged_slots"], kv_cache="paged", page_size=s["page_size"],
-                         num_pages=pages, **common)
+                         num_pages=pages, preemption=s["preemption"], **common)
     load_before, cpu_before = harness.loadavg(), harness.cpu_sample()
     out = {}
     completions = {}
@@ -129,16 +134,18 @@ def run(args) -> dict:
 def format_table(r: dict) -> str:
     s = r["settings"]
     lines = [f"KV cache: {s['requests']} requests, lengths {r['length_distribution']}; prompt {s['prompt_len']}, "
-             f"tiny Qwen3 (hidden {s['hidden_size']}, {s['layers']} layers), greedy",
+             f"tiny Qwen3 (hidden {s['hidden_size']}, {s['layers']} layers), greedy; paged preemption: "
+             f"{s['preemption']}",
              f"{'cache':<6} {'slots':>5} {'KV positions':>12} {'in flight':>9} {'seconds':>8} {'tokens/s':>9} "
-             f"{'preempted':>9} {'peak pages':>10} {'ms/step':>7} {'decode':>6} {'prefill':>7} {'host':>5}"]
+             f"{'preempted':>9} {'peak pages':>10} {'ms/step':>7} {'decode':>6} {'prefill':>7} {'swap':>5} {'host':>5}"]
     for name in ("dense", "paged"):
         x = r[name]
         peak = f"{x['peak_pages']}" if name == "paged" else "-"
         lines.append(f"{name:<6} {x['slots']:>5} {x['kv_positions']:>12} {x['in_flight']:>9.1f} {x['seconds']:>8.2f} "
                      f"{x['tokens_per_s']:>9.0f} {x['preemptions']:>9} {peak:>10} {x['ms_per_decode_step']:>7.3f} "
-                     f"{x['decode_s']:>6.2f} {x['prefill_s']:>7.2f} {x['host_s']:>5.2f}")
-    lines.append("(ms/step: wall of a decode call / its steps; decode, prefill, host: seconds of the last timed run)")
+                     f"{x['decode_s']:>6.2f} {x['prefill_s']:>7.2f} {x['swap_s']:>5.2f} {x['host_s']:>5.2f}")
+    lines.append("(ms/step: wall of a decode call / its steps; decode, prefill, swap, host: seconds of the last timed "
+                 "run)")
     lines.append(f"paged / dense: {r['in_flight_ratio']:.2f}x samples in flight, {r['speedup']:.2f}x faster; "
                  f"greedy tokens equal: {r['greedy_equal']}")
     lines += [line for line in (harness.cpu_load_line(r["machine"]),) if line]

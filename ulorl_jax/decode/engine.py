@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ulorl_jax.buckets import pow2_ceil
-from ulorl_jax.choices import KV_CACHES
+from ulorl_jax.choices import KV_CACHES, PREEMPTIONS
 from ulorl_jax.decode import cache_layout
 from ulorl_jax.decode.page_pool import PagePool, pages_for
 from ulorl_jax.decode.sampling import SamplingParams, sample_tokens
@@ -143,6 +143,28 @@ class Resume(NamedTuple):
     sampling_logprob: jnp.ndarray  # f32
 
 
+class SlotRow(NamedTuple):
+    """One slot's decode state besides its KV pages: what a swapped-out sample takes with it (host numpy)."""
+
+    token: Any
+    key: Any
+    length: Any
+    budget: Any
+    logprob: Any
+    sampling_logprob: Any
+    index: Any  # cached positions
+    position: Any  # RoPE position of the next token
+
+
+class Swapped(NamedTuple):
+    """A sample preempted with preemption="swap": its cached positions' pages (per layer, [n, page, K, Dh],
+    host numpy) and its slot's row. Swapped back in, its slot holds exactly what it held."""
+
+    k: tuple
+    v: tuple
+    row: SlotRow
+
+
 class StepsOutput(NamedTuple):
     tokens: jnp.ndarray  # [B, N] int32
     logprobs: jnp.ndarray  # [B, N] f32
@@ -164,6 +186,9 @@ DEFAULT_PAGE_SIZE = 64  # positions per KV page (paged cache)
 # decode calls (bench kv, 16 slots: 49 preemptions with none kept, 8 with 4 calls, 2 with 16 calls but
 # fewer samples in flight).
 ADMIT_LOOKAHEAD_CALLS = 4
+# preemption="swap": at most this much KV (bytes, all layers) copied per call between the pool and host memory,
+# the copy's transient device memory (Qwen3-30B-A3B, 96 KiB per position: 256 MiB is 42 pages of 64)
+SWAP_CHUNK_BYTES = 256 << 20
 DEFAULT_PREFILL_TOKEN_BUDGET = 4096  # padded tokens per batched prefill call (see PolicyEngine.prefill_many)
 # A prefill call's fixed cost in padded tokens (plan_prefill): dispatch, and reading every weight once,
 # which for bf16 weights costs about as long as computing a ridge-point's worth of tokens (~200 on an
@@ -304,6 +329,40 @@ def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     ))
 
 
+def _padded(x: np.ndarray, rows: int) -> np.ndarray:
+    """`x` with zero rows appended up to `rows` along its first axis."""
+    return np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
+
+
+def _swap_out_impl(state: DecodeState, slot, pages):
+    """Slot `slot`'s row and pool pages `pages` [C] of every layer (ids past the pool read its last page; the
+    caller drops them)."""
+    take = lambda pool: jnp.take(pool, pages, axis=0, mode="clip")  # noqa: E731
+    row = SlotRow(state.tokens[slot], state.keys[slot], state.lengths[slot], state.budget[slot],
+                  state.logprobs[slot], state.sampling_logprobs[slot], state.cache.index[slot],
+                  state.cache.position[slot])
+    return tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)), row
+
+
+def _swap_in_impl(state: DecodeState, slot, pages, k, v, row: SlotRow) -> DecodeState:
+    """`k` / `v` (per layer [C, page, K, Dh]) into pool pages `pages` [C] (ids past the pool are dropped), and
+    slot `slot` generating again from `row` (its pages in the page table)."""
+    put = lambda pool, x: pool.at[pages].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
+    cache = state.cache
+    return _laid_out(DecodeState(
+        cache=cache._replace(k=tuple(map(put, cache.k, k)), v=tuple(map(put, cache.v, v)),
+                             index=cache.index.at[slot].set(row.index),
+                             position=cache.position.at[slot].set(row.position)),
+        tokens=state.tokens.at[slot].set(row.token),
+        keys=state.keys.at[slot].set(row.key),
+        lengths=state.lengths.at[slot].set(row.length),
+        budget=state.budget.at[slot].set(row.budget),
+        done=state.done.at[slot].set(False),
+        logprobs=state.logprobs.at[slot].set(row.logprob),
+        sampling_logprobs=state.sampling_logprobs.at[slot].set(row.sampling_logprob),
+    ))
+
+
 def _generate_impl(graphdef, rest, params, state: DecodeState, *, sampling, eos_ids):
     """One decode step for every slot; finished slots compute but change nothing."""
     model = nnx.merge(graphdef, params, rest)
@@ -383,6 +442,7 @@ class RunStats:
     decode_devices: int = 0  # devices that held distinct slots of the decode state
     decode_steps: int = 0  # decode steps run (calls x steps per call)
     preemptions: int = 0  # samples preempted for want of KV pages (paged cache)
+    swap_seconds: float = 0.0  # preemption="swap": copying preempted samples' pages out and back in
     kv_pages: int = 0  # the paged cache's pool (0: dense cache)
     peak_pages: int = 0  # most pages in use at once
 
@@ -409,10 +469,16 @@ class PolicyEngine:
                  mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None,
                  prefill_token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET, kv_cache: str = "dense",
                  page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                 prefill_fanout: int | None = None):
+                 prefill_fanout: int | None = None, preemption: str = "recompute"):
         """`prefill_fanout`: slots one batched prefill row serves (requests with equal prompts, a group's n
         samples, share a row; a larger group takes several rows). Give the rollout's n: each width is its
-        own set of compiled prefill shapes. None: as wide as the largest group seen so far."""
+        own set of compiled prefill shapes. None: as wide as the largest group seen so far.
+
+        `preemption` (paged cache, `run`): what happens to a sample preempted when the pool runs out.
+        "recompute": its pages are freed and it is prefilled again from its prompt + tokens so far when
+        pages free up (costs a prefill of that length). "swap": its cached pages are copied to host memory
+        and back into fresh pages when it is readmitted (costs host memory, a sample's KV size, while it
+        waits; and two copies, no model compute). Tokens equal a run with enough pages either way."""
         for name, v in (("max_concurrent_decodes", max_concurrent_decodes),
                         ("max_prefill_length", max_prefill_length), ("max_cache_len", max_cache_len),
                         ("prefill_token_budget", prefill_token_budget), ("page_size", page_size),
@@ -422,6 +488,8 @@ class PolicyEngine:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache={kv_cache!r}: expected one of {KV_CACHES}")
+        if preemption not in PREEMPTIONS:
+            raise ValueError(f"preemption={preemption!r}: expected one of {PREEMPTIONS}")
         if max_prefill_length > max_cache_len:
             raise ValueError(f"max_prefill_length={max_prefill_length} > max_cache_len={max_cache_len}")
         buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else \
@@ -446,6 +514,7 @@ class PolicyEngine:
         self._tokenizer = tokenizer
         self.prefill_token_budget = int(prefill_token_budget)
         self.kv_cache = kv_cache
+        self.preemption = preemption
         self.page_size = int(page_size)
         self.max_pages_per_slot = pages_for(self.max_cache_len, self.page_size)
         # Default pool: the dense cache's memory (every slot can reach max_cache_len at once, nothing is
@@ -489,6 +558,9 @@ class PolicyEngine:
                                   **with_state)
         self._free_jit = jax.jit(traced(lambda s, slot: _laid_out(s._replace(done=s.done.at[slot].set(True)))),
                                  donate_argnums=(0,), **state_only)
+        # preemption="swap": a slot's pages and row out to the host, and back into (other) pages
+        self._swap_out_jit = jax.jit(traced(_swap_out_impl))
+        self._swap_in_jit = jax.jit(traced(_swap_in_impl), donate_argnums=(0,), **state_only)
         self._init_state_jit = None  # built at the first `init_decode_state`
 
     # -- JetStream Engine properties ------------------------------------------------------
@@ -786,6 +858,41 @@ class PolicyEngine:
                                                                  sharding=NamedSharding(self._mesh, spec)),
                             state, decode_state_specs(state, self._mesh))
 
+    def _swap_chunks(self, pages: list[int], pools: Sequence[Any]):
+        """`pages` as fixed-size id chunks padded past the pool (one compiled shape, at most
+        `SWAP_CHUNK_BYTES` of K and V over the layers `pools`), with each chunk's real count."""
+        page_bytes = 2 * sum(x.size // x.shape[0] * x.dtype.itemsize for x in pools)
+        size = max(1, min(SWAP_CHUNK_BYTES // page_bytes, self.max_pages_per_slot))
+        for start in range(0, len(pages), size):
+            ids = np.full((size,), self.num_pages, np.int32)
+            part = pages[start:start + size]
+            ids[:len(part)] = part
+            yield ids, len(part)
+
+    def swap_out(self, decode_state: DecodeState, slot: int, pages: Sequence[int]) -> Swapped:
+        """Slot `slot`'s row and the pages (`pages`: the slot's, in order) that hold its cached positions,
+        copied to host memory. The slot and its pages are the caller's to free."""
+        index = int(jax.device_get(decode_state.cache.index[slot]))
+        held = list(pages)[:pages_for(index, self.page_size)]
+        chunks = [(jax.device_get(self._swap_out_jit(decode_state, np.int32(slot), ids)), n)
+                  for ids, n in self._swap_chunks(held, decode_state.cache.k)]
+        k = tuple(np.concatenate([c[0][layer][:n] for c, n in chunks]) for layer in range(len(decode_state.cache.k)))
+        v = tuple(np.concatenate([c[1][layer][:n] for c, n in chunks]) for layer in range(len(decode_state.cache.v)))
+        return Swapped(k, v, SlotRow(*chunks[0][0][2]))
+
+    def swap_in(self, decode_state: DecodeState, slot: int, pages: Sequence[int], swapped: Swapped) -> DecodeState:
+        """A swapped-out sample back into slot `slot`, its KV written into the first of `pages` (the slot's
+        pages now, in order, at least as many as it took out): it goes on exactly where it stopped."""
+        held = swapped.k[0].shape[0]
+        if len(pages) < held:
+            raise ValueError(f"swap_in: slot {slot} has {len(pages)} pages for a sample that holds {held}")
+        start = 0
+        for ids, n in self._swap_chunks(list(pages)[:held], decode_state.cache.k):  # each chunk writes the row too
+            chunk = tuple(tuple(_padded(x[start:start + n], ids.size) for x in kv) for kv in (swapped.k, swapped.v))
+            decode_state = self._swap_in_jit(decode_state, np.int32(slot), ids, *chunk, swapped.row)
+            start += n
+        return decode_state
+
     def free_slot(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Mark a slot finished (e.g. a stop sequence seen on the host)."""
         return self._free_jit(decode_state, jnp.int32(slot))
@@ -793,7 +900,7 @@ class PolicyEngine:
     def compile_count(self) -> int:
         """Executables compiled so far, over all jitted entry points (tests: no recompiles)."""
         fns = (self._prefill_jit, self._insert_jit, self._prefill_rows_jit, self._generate_jit, self._steps_jit,
-               self._free_jit)
+               self._free_jit, self._swap_out_jit, self._swap_in_jit)
         return sum(f._cache_size() for f in fns)
 
     def _spread(self, free: list[int], slot_req: list) -> list[int]:
@@ -827,7 +934,9 @@ class PolicyEngine:
         tokens), and before each decode call every sample in flight gets the pages that call may fill.
         When the pool runs out, the most recently admitted samples are preempted: their pages are freed
         and they wait at the head of the queue to be prefilled again with their tokens so far, and then
-        go on with their own RNG key (`Resume`), so their tokens equal a run with enough pages."""
+        go on with their own RNG key (`Resume`), so their tokens equal a run with enough pages. With
+        `preemption="swap"` their cached pages go to host memory instead and come back into fresh pages
+        when they are readmitted (`swap_out` / `swap_in`): the same K/V, and no second prefill."""
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         sampling = sampling or self.sampling
@@ -853,6 +962,7 @@ class PolicyEngine:
         slot_req: list[int | None] = [None] * self._slots
         rows = list(prompts)  # what request i prefills: its prompt, or its prompt + tokens so far (preempted)
         resume: list[tuple | None] = [None] * len(requests)
+        swapped: dict[int, Swapped] = {}  # preemption="swap": request -> its pages and row in host memory
         admitted = [0] * self._slots  # admission order of each slot's request: preemption takes the latest
         clock = 0
         state = self.init_decode_state()
@@ -868,15 +978,23 @@ class PolicyEngine:
         def positions_after_call(i, prefill: bool) -> int:
             """KV positions request i may hold after its next call (prefill + decode, or decode only); a
             request never caches more than its prompt + budget - 1 (its last token is never cached)."""
-            cached = rows[i].size if prefill else prompts[i].size + len(out[i].tokens) - 1
+            if i in swapped:
+                cached = int(swapped[i].row.index)
+            else:
+                cached = rows[i].size if prefill else prompts[i].size + len(out[i].tokens) - 1
             return min(cached + steps_per_call, prompts[i].size + budgets[i] - 1)
 
         def preempt(state):
             slot = max((s for s in range(self._slots) if slot_req[s] is not None), key=lambda s: admitted[s])
             i, c = slot_req[slot], out[slot_req[slot]]
-            keys[i] = np.asarray(jax.device_get(state.keys[slot]))
-            rows[i] = np.concatenate([prompts[i], np.asarray(c.tokens[:-1], np.int32)])
-            resume[i] = (c.tokens[-1], len(c.tokens), c.logprobs[-1], c.sampling_logprobs[-1])
+            if self.preemption == "swap":
+                t0 = time.perf_counter()
+                swapped[i] = self.swap_out(state, slot, pool.owned(slot))
+                stats.swap_seconds += time.perf_counter() - t0
+            else:
+                keys[i] = np.asarray(jax.device_get(state.keys[slot]))
+                rows[i] = np.concatenate([prompts[i], np.asarray(c.tokens[:-1], np.int32)])
+                resume[i] = (c.tokens[-1], len(c.tokens), c.logprobs[-1], c.sampling_logprobs[-1])
             slot_req[slot] = None
             pool.release(slot)
             pending.appendleft(i)
@@ -907,6 +1025,15 @@ class PolicyEngine:
             if pool:
                 state = self._with_page_table(state, pool.table())
                 stats.peak_pages = pool.peak_used
+            if swapped and take:  # swapped-out samples readmitted: their pages back, no prefill
+                back = [(i, slot) for i, slot in zip(take, into) if i in swapped]
+                t0 = time.perf_counter()
+                for i, slot in back:
+                    state = self.swap_in(state, slot, pool.owned(slot), swapped.pop(i))
+                    slot_req[slot] = i
+                stats.swap_seconds += time.perf_counter() - t0
+                take, into = [i for i, s in zip(take, into) if slot_req[s] != i], \
+                             [s for i, s in zip(take, into) if slot_req[s] != i]
             if take:  # refill the free slots in as few batched prefill calls as the budget allows
                 t0 = time.perf_counter()
                 state, first = self._prefill_many(params, state, [rows[i] for i in take],

@@ -96,7 +96,7 @@ def build_engine(cfg: RunConfig, model, tokenizer, *, slots: int, max_len: int, 
                         prefill_buckets=r.prefill_buckets, prefill_token_budget=r.prefill_token_budget,
                         sampling=sampling, eos_token_ids=eos_ids(model.config, tokenizer), tokenizer=tokenizer,
                         mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.kv_pages,
-                        prefill_fanout=r.n)
+                        preemption=r.preemption, prefill_fanout=r.n)
 
 
 def build_scorer(cfg: RunConfig) -> RewardScorer:

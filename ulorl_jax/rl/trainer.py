@@ -471,6 +471,10 @@ class Trainer:
             "rollout_tokens_per_s": decoded / max(times.rollout, 1e-9),
             "slot_occupancy": float(np.mean([r.slot_occupancy for r in reports])) if reports else None,
             "decode_devices": max((r.decode_devices for r in reports), default=0),  # over every process
+            # paged KV cache: samples preempted for want of pages this step, and the most pages in use at once
+            # (against rollout.kv_pages: how close the pool ran to full)
+            "kv_preemptions": sum(r.preemptions for r in reports),
+            "kv_peak_pages": max((r.peak_pages for r in reports), default=0),
             "time_rollout": times.rollout, "time_reward": times.reward, "time_learn": times.learn,
             "time_sync": times.sync,
         }

@@ -24,7 +24,8 @@ def merge_reports(parts: Sequence[dict], ended: list, experience_pool_size: int)
         prefill_seconds=max(p["prefill_seconds"] for p in parts),
         slot_occupancy=sum(p["slot_occupancy"] for p in parts) / len(parts),
         prefill_calls=total("prefill_calls"), prefill_rows=total("prefill_rows"),
-        decode_devices=total("decode_devices"))
+        decode_devices=total("decode_devices"), preemptions=total("preemptions"),
+        peak_pages=max(p["peak_pages"] for p in parts))
 
 
 class DistributedRollout:

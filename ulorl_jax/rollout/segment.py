@@ -108,6 +108,8 @@ class RolloutStepReport:
     prefill_calls: int = 0  # batched prefill calls (engine.prefill_many)
     prefill_rows: int = 0  # distinct prompts prefilled (a new group's n samples share one)
     decode_devices: int = 0  # devices that decoded distinct slots (summed over processes)
+    preemptions: int = 0  # samples preempted for want of KV pages (paged cache; summed over processes)
+    peak_pages: int = 0  # most KV pages in use at once (paged cache; the largest process's)
 
     def metrics(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "ended"}
@@ -256,4 +258,5 @@ class SegmentRollout:
             unfinished_pool_size=len(self.unfinished_pool), experience_pool_size=len(self.experience_pool),
             decode_seconds=stats.decode_seconds, prefill_seconds=stats.prefill_seconds,
             slot_occupancy=stats.slot_occupancy, prefill_calls=stats.prefill_calls,
-            prefill_rows=stats.prefill_rows, decode_devices=stats.decode_devices)
+            prefill_rows=stats.prefill_rows, decode_devices=stats.decode_devices, preemptions=stats.preemptions,
+            peak_pages=stats.peak_pages)
