@@ -316,17 +316,19 @@ def _laid_out(state: DecodeState) -> DecodeState:
                         state, decode_state_specs(state, mesh))
 
 
+def _with_slot(state: DecodeState, slot, cache, token, key, length, budget, done, logprob,
+               sampling_logprob) -> DecodeState:
+    """`state` with `cache` and slot `slot`'s per-slot fields set, in the engine's layout."""
+    put = lambda x, value: x.at[slot].set(value)  # noqa: E731
+    return _laid_out(DecodeState(cache=cache, tokens=put(state.tokens, token), keys=put(state.keys, key),
+                                 lengths=put(state.lengths, length), budget=put(state.budget, budget),
+                                 done=put(state.done, done), logprobs=put(state.logprobs, logprob),
+                                 sampling_logprobs=put(state.sampling_logprobs, sampling_logprob)))
+
+
 def _insert_impl(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-    return _laid_out(DecodeState(
-        cache=cache_layout.insert_prefix(state.cache, prefix.cache, slot),
-        tokens=state.tokens.at[slot].set(prefix.token),
-        keys=state.keys.at[slot].set(prefix.key),
-        lengths=state.lengths.at[slot].set(1),
-        budget=state.budget.at[slot].set(prefix.budget),
-        done=state.done.at[slot].set(prefix.done),
-        logprobs=state.logprobs.at[slot].set(prefix.logprob),
-        sampling_logprobs=state.sampling_logprobs.at[slot].set(prefix.sampling_logprob),
-    ))
+    return _with_slot(state, slot, cache_layout.insert_prefix(state.cache, prefix.cache, slot), prefix.token,
+                      prefix.key, 1, prefix.budget, prefix.done, prefix.logprob, prefix.sampling_logprob)
 
 
 def _padded(x: np.ndarray, rows: int) -> np.ndarray:
@@ -349,18 +351,11 @@ def _swap_in_impl(state: DecodeState, slot, pages, k, v, row: SlotRow) -> Decode
     slot `slot` generating again from `row` (its pages in the page table)."""
     put = lambda pool, x: pool.at[pages].set(x.astype(pool.dtype), mode="drop")  # noqa: E731
     cache = state.cache
-    return _laid_out(DecodeState(
-        cache=cache._replace(k=tuple(map(put, cache.k, k)), v=tuple(map(put, cache.v, v)),
-                             index=cache.index.at[slot].set(row.index),
-                             position=cache.position.at[slot].set(row.position)),
-        tokens=state.tokens.at[slot].set(row.token),
-        keys=state.keys.at[slot].set(row.key),
-        lengths=state.lengths.at[slot].set(row.length),
-        budget=state.budget.at[slot].set(row.budget),
-        done=state.done.at[slot].set(False),
-        logprobs=state.logprobs.at[slot].set(row.logprob),
-        sampling_logprobs=state.sampling_logprobs.at[slot].set(row.sampling_logprob),
-    ))
+    cache = cache._replace(k=tuple(map(put, cache.k, k)), v=tuple(map(put, cache.v, v)),
+                           index=cache.index.at[slot].set(row.index),
+                           position=cache.position.at[slot].set(row.position))
+    return _with_slot(state, slot, cache, row.token, row.key, row.length, row.budget, False, row.logprob,
+                      row.sampling_logprob)
 
 
 def _generate_impl(graphdef, rest, params, state: DecodeState, *, sampling, eos_ids):
@@ -1027,13 +1022,13 @@ class PolicyEngine:
                 stats.peak_pages = pool.peak_used
             if swapped and take:  # swapped-out samples readmitted: their pages back, no prefill
                 back = [(i, slot) for i, slot in zip(take, into) if i in swapped]
+                rest = [(i, slot) for i, slot in zip(take, into) if i not in swapped]
                 t0 = time.perf_counter()
                 for i, slot in back:
                     state = self.swap_in(state, slot, pool.owned(slot), swapped.pop(i))
                     slot_req[slot] = i
                 stats.swap_seconds += time.perf_counter() - t0
-                take, into = [i for i, s in zip(take, into) if slot_req[s] != i], \
-                             [s for i, s in zip(take, into) if slot_req[s] != i]
+                take, into = [i for i, _ in rest], [slot for _, slot in rest]
             if take:  # refill the free slots in as few batched prefill calls as the budget allows
                 t0 = time.perf_counter()
                 state, first = self._prefill_many(params, state, [rows[i] for i in take],
