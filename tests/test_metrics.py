@@ -103,6 +103,21 @@ def test_progress_plain_line_per_step_when_not_a_tty():
     assert lines[1].startswith("step 4/10  reward 0.625  eta ")
 
 
+def test_progress_eta_leaves_out_the_first_step(monkeypatch):
+    """The first step carries the compiles; the ETA is the later steps' rate times the steps left."""
+    import ulorl_jax.metrics as metrics_module
+
+    now = [0.0]
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: now[0])
+    stream = io.StringIO()
+    with ProgressDisplay(10, stream=stream) as progress:
+        for step, t in ((1, 60.0), (2, 62.0), (3, 64.0), (4, 70.0)):  # 60 s of compiles, then 2, 2, 6 s
+            now[0] = t
+            progress.update(step, {})
+    etas = [line.split("eta ")[1] for line in stream.getvalue().splitlines()]
+    assert etas == ["-", "00:16", "00:14", "00:20"]  # (62-60)/1*8, (64-60)/2*7, (70-60)/3*6
+
+
 def test_progress_live_display_runs():
     stream = io.StringIO()
     with ProgressDisplay(4, stream=stream, live=True) as progress:

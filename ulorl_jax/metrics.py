@@ -146,7 +146,7 @@ class ProgressDisplay:
         self.start_step = start_step
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty() if live is None else live
-        self._t0 = time.perf_counter()
+        self._first: tuple[int, float] | None = None  # (step, time) the first update arrived
         self._progress = None
         self._last: dict = {}
 
@@ -170,15 +170,23 @@ class ProgressDisplay:
                 parts.append(f"{label} {format(value, spec) if isinstance(value, (int, float)) else value}")
         return "  ".join(parts)
 
-    def eta_s(self, step: int) -> float | None:
-        done = step - self.start_step
-        if done <= 0:
+    def eta_s(self, step: int, now: float | None = None) -> float | None:
+        """Seconds left at the rate of the steps since the first update, or None before there is one.
+
+        The first step of a run (or of a resume) carries the compiles, tens of times a later step on a
+        CPU, so it is left out of the rate: counting it made the demo's first line say 2 hours, not 5 minutes.
+        """
+        now = time.perf_counter() if now is None else now
+        if self._first is None or step <= self._first[0]:
             return None
-        return (time.perf_counter() - self._t0) / done * (self.total - step)
+        first_step, first_time = self._first
+        return (now - first_time) / (step - first_step) * (self.total - step)
 
     def update(self, step: int, metrics: dict) -> None:
         """Report that RL step `step` (1-based count of completed steps) finished with `metrics`."""
         self._last = metrics
+        if self._first is None:
+            self._first = (step, time.perf_counter())
         if self._progress is not None:
             self._progress.update(self._task, completed=step, status=self.status(metrics))
             return
