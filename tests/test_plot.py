@@ -101,6 +101,22 @@ def test_plot_compare_groups_runs_by_label(tmp_path):
     assert _is_png(out)
 
 
+def test_sigma_lines_mark_the_target_and_its_band():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ulorl_jax.plot import _sigma_lines
+
+    fig, ax = plt.subplots()
+    _sigma_lines(ax, 0.2, "σ = 0.2")
+    heights = sorted(line.get_ydata()[0] for line in ax.get_lines())
+    np.testing.assert_allclose(heights, [0.1, 0.2, 0.4])
+    assert [t.get_text() for t in ax.legend().get_texts()] == ["σ = 0.2", "0.5σ and 2σ"]
+    plt.close(fig)
+
+
 def test_cli_subcommand(tmp_path, capsys):
     run = _write_run(tmp_path / "run", _full_records(8))
     other = _write_run(tmp_path / "other", _full_records(8, seed=2))

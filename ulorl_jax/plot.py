@@ -107,7 +107,7 @@ def _plot_entropy(records, out: Path, sigma: float | None):
     if esteps:
         ax.plot(esteps, eentropy, "o-", color="tab:green", label="entropy on held-out samples")
     if sigma is not None:
-        ax.axhline(sigma, color="tab:red", linestyle="--", label=f"σ = {sigma:g} (DMMPT target)")
+        _sigma_lines(ax, sigma, f"σ = {sigma:g} (DMMPT target)")
     ax.set(xlabel="RL step", ylabel="entropy (nats)", title="Policy entropy")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -189,6 +189,15 @@ def group_curves(series: Sequence[tuple[Sequence[int], Sequence[float]]]) -> tup
     return (common, [sum(c) / len(c) for c in columns], [min(c) for c in columns], [max(c) for c in columns])
 
 
+def _sigma_lines(ax, sigma: float, label: str) -> None:
+    """The entropy target σ, and the band [0.5σ, 2σ] that ULORL.md's mechanism is read against
+    (DMMPT inside it, no masking falling below, always masking rising above)."""
+    ax.axhline(sigma, color="tab:red", linestyle="--", label=label)
+    for bound in (0.5 * sigma, 2 * sigma):
+        ax.axhline(bound, color="tab:red", linestyle=":", linewidth=0.8, alpha=0.6,
+                   label="0.5σ and 2σ" if bound == 0.5 * sigma else None)
+
+
 def plot_compare(run_dirs: Sequence[str | os.PathLike], labels: Sequence[str] | None, out: str | os.PathLike,
                  metric: str = "entropy", sigma: float | None = None) -> Path:
     """Overlay `metric` vs step of several runs in one PNG at `out` (e.g. DMMPT vs mask_mode=none).
@@ -217,7 +226,7 @@ def plot_compare(run_dirs: Sequence[str | os.PathLike], labels: Sequence[str] | 
                                            "shaded: min-max)")
         ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     if sigma is not None and metric == "entropy":
-        ax.axhline(sigma, color="tab:red", linestyle="--", label=f"σ = {sigma:g}")
+        _sigma_lines(ax, sigma, f"σ = {sigma:g}")
     ax.set(xlabel="RL step", ylabel=metric, title=f"{metric} by run")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
