@@ -44,6 +44,16 @@ def test_rl_raises_reward_on_an_easy_setting(tmp_path):
     assert np.isfinite(entropies).all()
 
 
+def test_entropy_band_against_sigma():
+    from ulorl_jax.demo import entropy_band
+
+    assert entropy_band(0.084, 0.2) == "below 0.5σ"
+    assert entropy_band(0.1, 0.2) == entropy_band(0.279, 0.2) == entropy_band(0.4, 0.2) == "inside [0.5σ, 2σ]"
+    assert entropy_band(0.677, 0.2) == "above 2σ"
+    assert entropy_band(0.15, 0.1) == "inside [0.5σ, 2σ]" and entropy_band(0.25, 0.1) == "above 2σ"
+    assert entropy_band(None, 0.2) is None
+
+
 QUICK_TEST = ["trainer.sft_steps=40", "trainer.total_steps=4"]
 
 
@@ -59,6 +69,8 @@ def test_quick_demo_runs_end_to_end(tmp_path):
     assert "This was a smoke run: 4 RL steps" in out.stdout and "benchmarks/results/demo.md" in out.stdout
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary == json.loads((run / "summary.json").read_text()) and summary["quick"] is True
+    assert summary["entropy_band"] in ("below 0.5σ", "inside [0.5σ, 2σ]", "above 2σ")
+    assert f"over the last quarter ({summary['entropy_band']})" in out.stdout
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     gain = 100 * (summary["accuracy_after"] - summary["accuracy_before"])
     assert f"{summary['accuracy_after']:.3f} after RL ({gain:+.1f} points)" in out.stdout

@@ -84,8 +84,19 @@ def _print_smoke_note(s: dict, full) -> None:
           f"(one prompt more or less right moves it by {step:.3f}). It shows that the whole pipeline runs; it is "
           f"too short to show learning. The full `ulorl demo` ({full.trainer.total_steps} RL steps, avg@{full.eval.k} "
           f"on {full_eval} held-out prompts, about 5.5 minutes on 2 idle CPU cores) is the run that "
-          f"shows RL's gain over the warm start (and, run with algorithm.mask_mode=none or mpt, how the masking "
-          f"modes compare); its measured figures are in benchmarks/results/demo.md.")
+          f"shows RL's gain over the warm start (and, run with algorithm.mask_mode=none or mpt and "
+          f"algorithm.tau=0.3, how the masking modes hold the entropy); its measured figures are in "
+          f"benchmarks/results/demo.md and dmmpt.md.")
+
+
+def entropy_band(entropy: float | None, sigma: float) -> str | None:
+    """Where `entropy` sits against DMMPT's band [0.5σ, 2σ] (ULORL.md: DMMPT inside, no masking below,
+    always masking above): "below 0.5σ", "inside [0.5σ, 2σ]" or "above 2σ"."""
+    if entropy is None:
+        return None
+    if entropy < 0.5 * sigma:
+        return "below 0.5σ"
+    return "above 2σ" if entropy > 2 * sigma else "inside [0.5σ, 2σ]"
 
 
 def _tail_mean(records: list[dict], key: str, frac: float = 0.25) -> float | None:
@@ -104,6 +115,7 @@ def _summary(cfg, records, before, after, sft_s, rl_s, wall_s, task_lengths) -> 
         "mask_mode": cfg.algorithm.mask_mode, "is_mode": cfg.algorithm.is_mode, "sigma": cfg.algorithm.sigma,
         "entropy_first": next((r["entropy"] for r in records if "entropy" in r), None),
         "entropy_last_quarter": _tail_mean(records, "entropy"),
+        "entropy_band": entropy_band(_tail_mean(records, "entropy"), cfg.algorithm.sigma),
         "eval_entropy_before": before.get("eval_entropy"), "eval_entropy_after": after.get("eval_entropy"),
         "pass_at_k_before": _pass_at_k(before), "pass_at_k_after": _pass_at_k(after),
         "masked_fraction_last_quarter": _tail_mean(records, "masked_fraction"),
@@ -144,8 +156,8 @@ def _print_summary(s: dict, run_dir: Path, plots) -> None:
     print(f"train reward: {_fmt(s['reward_first_quarter'])} (first quarter of steps) -> "
           f"{_fmt(s['reward_last_quarter'])} (last quarter)")
     print(f"entropy (mean per-token, {s['mask_mode']}): {_fmt(s['entropy_first'])} at the first update, "
-          f"{_fmt(s['entropy_last_quarter'])} over the last quarter; sigma = {s['sigma']}; masked fraction "
-          f"{_fmt(s['masked_fraction_last_quarter'], '.4f')}")
+          f"{_fmt(s['entropy_last_quarter'])} over the last quarter ({s['entropy_band'] or '-'}); "
+          f"sigma = {s['sigma']}; masked fraction {_fmt(s['masked_fraction_last_quarter'], '.4f')}")
     print(f"entropy on held-out samples: {_fmt(s['eval_entropy_before'])} after warm start -> "
           f"{_fmt(s['eval_entropy_after'])} after RL")
     print(f"segments: {s['segments']} x {s['segment_len']} tokens; samples took {_fmt(s['segments_mean'], '.2f')} "
