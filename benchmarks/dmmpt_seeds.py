@@ -43,6 +43,7 @@ def _mean_se(values) -> str:
 
 
 def report(root: Path, modes, seeds) -> str:
+    from ulorl_jax.demo import entropy_band
     from ulorl_jax.plot import plot_compare
 
     lines = ["| mask_mode | seeds | avg@8 before | avg@8 after | gain | pass@8 before | pass@8 after | "
@@ -56,7 +57,7 @@ def report(root: Path, modes, seeds) -> str:
         s = [json.loads((run / "summary.json").read_text()) for _, run in found]
         sigma = s[0]["sigma"]
         tails = [x["entropy_last_quarter"] for x in s]  # the demo's summary: mean over the last quarter
-        inside = sum(0.5 * sigma <= t <= 2 * sigma for t in tails)
+        inside = sum(entropy_band(t, sigma) == "inside [0.5σ, 2σ]" for t in tails)
         lines.append(
             f"| {mode} | {','.join(str(seed) for seed, _ in found)} | "
             f"{_mean_se([x['accuracy_before'] for x in s])} | {_mean_se([x['accuracy_after'] for x in s])} | "

@@ -170,17 +170,16 @@ class ProgressDisplay:
                 parts.append(f"{label} {format(value, spec) if isinstance(value, (int, float)) else value}")
         return "  ".join(parts)
 
-    def eta_s(self, step: int, now: float | None = None) -> float | None:
+    def eta_s(self, step: int) -> float | None:
         """Seconds left at the rate of the steps since the first update, or None before there is one.
 
         The first step of a run (or of a resume) carries the compiles, tens of times a later step on a
         CPU, so it is left out of the rate: counting it made the demo's first line say 2 hours, not 5 minutes.
         """
-        now = time.perf_counter() if now is None else now
         if self._first is None or step <= self._first[0]:
             return None
         first_step, first_time = self._first
-        return (now - first_time) / (step - first_step) * (self.total - step)
+        return (time.perf_counter() - first_time) / (step - first_step) * (self.total - step)
 
     def update(self, step: int, metrics: dict) -> None:
         """Report that RL step `step` (1-based count of completed steps) finished with `metrics`."""
