@@ -109,13 +109,14 @@ def _tail_mean(records: list[dict], key: str, frac: float = 0.25) -> float | Non
 
 def _summary(cfg, records, before, after, sft_s, rl_s, wall_s, task_lengths) -> dict:
     ended = [n for r in records for n in r.get("response_lengths", [])]
+    entropy_tail = _tail_mean(records, "entropy")
     return {
         "accuracy_before": before["eval_accuracy"], "accuracy_after": after["eval_accuracy"],
         "eval_k": cfg.eval.k, "eval_prompts": before["eval_samples"] // max(cfg.eval.k, 1),
         "mask_mode": cfg.algorithm.mask_mode, "is_mode": cfg.algorithm.is_mode, "sigma": cfg.algorithm.sigma,
         "entropy_first": next((r["entropy"] for r in records if "entropy" in r), None),
-        "entropy_last_quarter": _tail_mean(records, "entropy"),
-        "entropy_band": entropy_band(_tail_mean(records, "entropy"), cfg.algorithm.sigma),
+        "entropy_last_quarter": entropy_tail,
+        "entropy_band": entropy_band(entropy_tail, cfg.algorithm.sigma),
         "eval_entropy_before": before.get("eval_entropy"), "eval_entropy_after": after.get("eval_entropy"),
         "pass_at_k_before": _pass_at_k(before), "pass_at_k_after": _pass_at_k(after),
         "masked_fraction_last_quarter": _tail_mean(records, "masked_fraction"),

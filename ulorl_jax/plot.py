@@ -193,9 +193,8 @@ def _sigma_lines(ax, sigma: float, label: str) -> None:
     """The entropy target σ, and the band [0.5σ, 2σ] that ULORL.md's mechanism is read against
     (DMMPT inside it, no masking falling below, always masking rising above)."""
     ax.axhline(sigma, color="tab:red", linestyle="--", label=label)
-    for bound in (0.5 * sigma, 2 * sigma):
-        ax.axhline(bound, color="tab:red", linestyle=":", linewidth=0.8, alpha=0.6,
-                   label="0.5σ and 2σ" if bound == 0.5 * sigma else None)
+    for bound, band_label in ((0.5 * sigma, "0.5σ and 2σ"), (2 * sigma, None)):  # one legend entry for both
+        ax.axhline(bound, color="tab:red", linestyle=":", linewidth=0.8, alpha=0.6, label=band_label)
 
 
 def plot_compare(run_dirs: Sequence[str | os.PathLike], labels: Sequence[str] | None, out: str | os.PathLike,
