@@ -14,6 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ["a", "b", "c", "d", "e"]
 
 
+def _assert_kernel_tests_ran(a: dict, floor: int) -> None:
+    """Part a's record: at least `floor` kernel tests ran and passed, none skipped (a run where every kernel
+    test skips would otherwise count as `tests` and pass)."""
+    ran = a["tests"] - a["skipped"]
+    assert a["skipped"] == 0, f"kernel tests skipped in part a: {a.get('skipped_tests')}"
+    assert ran >= floor and a["passed"] >= floor, (
+        f"part a ran {ran} kernel tests ({a['passed']} passed), want >= {floor}")
+    assert a["failures"] == 0 and a["errors"] == 0, a.get("failed_tests")
+
+
 def _run_suite(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("OUT", None)
@@ -35,7 +45,10 @@ def test_dry_run_every_part_ok_and_files_written(tmp_path):
         assert rec["seconds"] > 0
     # a: the kernel tests ran (interpret mode on CPU) and wrote a junit file
     a = summary["parts"]["a"]
-    assert a["tests"] >= 3 and a["failures"] == 0 and a["errors"] == 0 and a["mode"].startswith("interpret")
+    dry_tests = _load_suite_module().DRY_KERNEL_TESTS  # the kernel tests a dry run picks: all run on CPU
+    assert len(dry_tests) >= 3
+    _assert_kernel_tests_ran(a, floor=len(dry_tests))
+    assert a["mode"].startswith("interpret")
     assert (out / "kernels_junit.xml").exists()
     # b: the kernel table, timed through the GPU code path (interpreted)
     assert (out / "attention.md").exists() and summary["parts"]["b"]["result"]["bench"] == "attention"
@@ -76,6 +89,23 @@ def test_failing_part_is_recorded_and_later_parts_still_run(tmp_path):
     assert c["steps"]["engine"]["status"] == "ok" and c["steps"]["engine"]["decode_tokens_per_s"] > 0
     assert c["steps"]["plan_cpu"]["status"] == "ok"
     assert "**failed**" in (out / "summary.md").read_text()
+
+
+def test_all_kernel_tests_skipped_fails_the_dry_run_check(tmp_path):
+    """Part a's check on counts parsed from a junit file: three skipped kernel tests fail it, three passed pass."""
+    g = _load_suite_module()
+    case = '<testcase classname="tests.kernel_tests.t" name="test_{i}">{body}</testcase>'
+    for body, ok in (('<skipped message="no GPU"/>', False), ("", True)):
+        cases = "".join(case.format(i=i, body=body) for i in range(3))
+        skipped = 0 if ok else 3
+        (tmp_path / "j.xml").write_text(f'<testsuite tests="3" failures="0" errors="0" skipped="{skipped}">'
+                                        f"{cases}</testsuite>")
+        a = g.parse_junit(tmp_path / "j.xml")
+        if ok:
+            _assert_kernel_tests_ran(a, floor=3)
+        else:
+            with pytest.raises(AssertionError, match="kernel tests skipped"):
+                _assert_kernel_tests_ran(a, floor=3)
 
 
 def test_render_rewrites_markdown_from_json(tmp_path):
