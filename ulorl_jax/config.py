@@ -114,6 +114,8 @@ class DataOptions:
     system_prompt: str | None = None  # a system turn before every text prompt (chat template)
     # extra arguments of the tokenizer's chat template, e.g. {enable_thinking: true} for Qwen3
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # row keys passed to rewards in their metadata (besides prompt / answer); null = every other key; [] = none
+    extra_keys: list[str] | None = None
     # Knobs of a generated task (see ulorl_jax.data); null when reading files.
     synthetic: dict[str, Any] | None = None
 
@@ -218,6 +220,18 @@ class RewardOptions:
     workers: int | None = None  # sandbox processes for math-verify / custom_fn; null = the machine's cores (>= 2)
     custom_fn: str | None = None  # "module:function" (kind=custom)
     verifier_model: str | None = None  # model folder (kind=verifier)
+    # math-verify's own options, by its names and with its defaults (kind=rule; rewards/equivalence.py):
+    # verify(): how two answers are compared
+    float_rounding: int = 6  # decimal places floats are rounded to (math-verify's tests: `precision`)
+    numeric_precision: int = 15  # significant digits of numeric comparisons
+    strict: bool = True  # false: variables matched by position (x+1 = y+1), sets comparable with tuples
+    allow_set_relation_comp: bool = False  # true: a relation may equal a set (1 < x < 2 = (1, 2))
+    # parse(): how math-verify finds an answer (in the reference, and in the response or its boxed answer)
+    extraction_config: list[str] = dataclasses.field(default_factory=lambda: ["latex", "expr"])  # | string
+    boxed_match_priority: int = 50  # latex: 0 = \boxed{} before "final answer is" anchors, -1 = off
+    try_extract_without_anchor: bool = True  # false: only after "answer" / "final answer is" (or boxed)
+    fallback_mode: str = "first_match"  # first_match (keep the first match's string too) | no_fallback
+    extraction_mode: str = "any_match"  # any_match (try until one parses) | first_match
 
 
 @dataclasses.dataclass
@@ -262,9 +276,6 @@ class RunConfig:
 
 # --- the schema as dotted keys -------------------------------------------------------------
 
-# Options whose value is a free-form dict: keys below them are not schema keys.
-_DICT_KEYS = ("model.arch", "model.overrides", "data.synthetic")
-
 
 def _schema(cls=RunConfig, prefix: str = "") -> dict[str, str]:
     """Every leaf key of the schema -> its type, as written in the dataclass ('float', 'int | None')."""
@@ -281,6 +292,10 @@ def _schema(cls=RunConfig, prefix: str = "") -> dict[str, str]:
 
 SCHEMA: dict[str, str] = _schema()
 _SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+# Options whose value is a free-form dict (model.arch, data.chat_template_kwargs, ...): keys below them are not
+# schema keys, and `option.key=value` overrides set one of their entries.
+_DICT_KEYS = tuple(key for key, kind in SCHEMA.items() if kind.startswith("dict"))
+_MODEL_DICT_KEYS = ("model.arch", "model.overrides")  # entries checked against ModelConfig's fields
 
 
 def _closest_key(key: str, candidates) -> str:
@@ -312,8 +327,10 @@ def _check_keys(tree: Any, where: str, prefix: str = "") -> None:
         if not isinstance(name, str):
             raise ConfigError(f"option name {key!r}{where} is not a string")
         if key in SCHEMA:
-            if key.startswith("model.arch") or key.startswith("model.overrides"):
+            if key in _MODEL_DICT_KEYS:
                 _check_model_fields(key, value)
+            if key in _DICT_KEYS:
+                _check_colon_keys(key, value, where)
             continue
         if key in _SECTIONS:
             if not isinstance(value, dict):
@@ -361,6 +378,22 @@ def _read_yaml(path: str) -> tuple[dict, str]:
     return (data or {}), where
 
 
+def _check_colon_keys(key: str, value: Any, where: str, override: str | None = None) -> None:
+    """Refuse `{a:1}` in a free-form mapping: YAML reads it as the key 'a:1' with no value (a flow mapping needs
+    a space after the colon), which no option means."""
+    if not isinstance(value, dict):
+        return
+    for name, entry in value.items():
+        if isinstance(name, str) and ":" in name and entry is None:
+            head, _, tail = name.partition(":")
+            head, tail = head.strip(), tail.strip()
+            fix = (f"{key}={{{head}: {tail}}}, or {key}.{head}={tail}" if override is not None
+                   else f"{key.rpartition('.')[2]}: {{{head}: {tail}}}")
+            raise ConfigError(f"{key}{where}: the entry {name!r} has no value: YAML reads a colon without a space "
+                              f"after it as part of the key. Write {fix}")
+        _check_colon_keys(f"{key}.{name}", entry, where, override)
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form key=value (e.g. algorithm.sigma=0.3)")
@@ -373,8 +406,14 @@ def _parse_override(item: str) -> tuple[str, Any]:
         head = next((d for d in _DICT_KEYS if key.startswith(d + ".")), None)
         if head is None:
             raise _unknown(key, list(SCHEMA), " in overrides")
-        if head != "data.synthetic":
+        if head in _MODEL_DICT_KEYS:
             _check_model_fields(head, {key[len(head) + 1:].split(".")[0]: None})
+    if (key in _DICT_KEYS or key not in SCHEMA) and "{" in raw:  # a mapping value: YAML's flow-mapping pitfall
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = None  # the merge reports it
+        _check_colon_keys(key, value, " (in overrides)", override=item)
     return key, raw
 
 
@@ -546,6 +585,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("data.train_files is empty and data.synthetic is null: give training data")
     _require(d.max_prompt_len is None or d.max_prompt_len >= 1, "data.max_prompt_len", d.max_prompt_len,
              "a positive token count or null")
+    if d.extra_keys:
+        from ulorl_jax.data.prompts import RESERVED_METADATA_KEYS
+
+        reserved = sorted(set(d.extra_keys) & set(RESERVED_METADATA_KEYS))
+        _require(not reserved, "data.extra_keys", d.extra_keys,
+                 f"row keys other than the metadata keys ulorl sets itself ({', '.join(RESERVED_METADATA_KEYS)}; "
+                 f"got {reserved}): rename the field in the data")
 
     r = cfg.rollout
     _require(r.global_max_len >= 1, "rollout.global_max_len", r.global_max_len, "a positive token count")

@@ -35,6 +35,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.remat": choices.REMAT,  # the YAML also takes true / false (config.remat_policy)
     "reward.kind": choices.REWARD_KINDS,
     "reward.extraction": choices.EXTRACTIONS,
+    "reward.fallback_mode": choices.MV_FALLBACK_MODES,  # math-verify's parse() options, by its names
+    "reward.extraction_mode": choices.MV_EXTRACTION_MODES,
     "checkpoint.on_save_error": choices.ON_SAVE_ERROR,
 }
 
@@ -54,6 +56,12 @@ def _optional(check: tuple[Callable[[Any], bool], str], none: str = "null") -> t
 
 _POSITIVE = (lambda v: _finite(v) and v > 0), "> 0"
 _COUNT = _at_least(1)
+_BOOL = (lambda v: isinstance(v, bool)), "true or false"
+
+
+def _integer_at_least(lo: int, what: str = "") -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= lo), f"an integer >= {lo}{what}"
+
 
 # Numeric options: key -> (predicate, what is expected).
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -78,6 +86,17 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout.temperature": _at_least(0, " (0 = greedy)"),
     "rollout.page_size": _COUNT,
     "rollout.kv_pages": _optional(_COUNT, "null (the dense cache's memory)"),
+    # math-verify's own verify() / parse() options (rewards/equivalence.py MathVerifyOptions)
+    "reward.float_rounding": _integer_at_least(0, " (decimal places)"),
+    "reward.numeric_precision": _integer_at_least(1, " (significant digits)"),
+    "reward.strict": _BOOL,
+    "reward.allow_set_relation_comp": _BOOL,
+    "reward.extraction_config": ((lambda v: isinstance(v, (list, tuple)) and len(v) > 0
+                                  and all(isinstance(t, str) and t in choices.MV_EXTRACTION_TARGETS for t in v)
+                                  and len(set(v)) == len(v)),
+                                 f"a non-empty list of distinct targets from {list(choices.MV_EXTRACTION_TARGETS)}"),
+    "reward.boxed_match_priority": _integer_at_least(-1, " (-1 = off)"),
+    "reward.try_extract_without_anchor": _BOOL,
 }
 
 

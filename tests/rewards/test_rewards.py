@@ -327,7 +327,7 @@ _balanced = st.recursive(_atom, lambda inner: st.builds(lambda a, b, c: f"{a}{{{
                          max_leaves=8)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)  # a failure reproduces
 @given(st.text(alphabet="abc {}$\\boxed", max_size=30), _balanced, st.text(alphabet="abc .$", max_size=10))
 def test_last_boxed_recovers_any_balanced_content(prefix, content, suffix):
     text = f"{prefix}\\boxed{{{content}}}{suffix}"

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from hypothesis import HealthCheck, event, given, note, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ulorl_jax.config import ConfigError, load_config
@@ -31,8 +31,8 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def _math_verify(prediction: str, reference: str) -> bool:
-    """The reference verdict: math-verify called directly on the two answers, each read as `$...$`,
-    plus the documented fallback (normalised string equality) where it extracts nothing."""
+    """math-verify's own verdict, called directly on the two answers, each read as `$...$` (the documented
+    reading of a bare answer); both must be read (else our string fallback, not math-verify, would decide)."""
     from math_verify import parse, verify
 
     def as_latex(s: str) -> str:
@@ -41,68 +41,16 @@ def _math_verify(prediction: str, reference: str) -> bool:
 
     gold = parse(as_latex(reference), parsing_timeout=20)
     pred = parse(as_latex(prediction), parsing_timeout=20)
-    if not gold or not pred:
-        return normalize_answer(prediction) == normalize_answer(reference)
+    assert gold and pred, (reference, gold, prediction, pred)
     return bool(verify(gold, pred, timeout_seconds=20))
 
 
-# --- 1. the fast path's verdict is math-verify's ------------------------------------
-_digits = st.integers(0, 10**100 - 1).map(str)  # the fast path reads up to 100 digits
-_signed = st.builds(lambda sign, d: sign + d, st.sampled_from(["", "-", "+"]), _digits)
-_zero_padded = st.builds(lambda z, d: z + d, st.sampled_from(["0", "00", "-0"]), st.integers(0, 999).map(str))
-_decimal = st.builds(lambda a, b: f"{a}.{b}", st.integers(0, 999), st.text("0123456789", min_size=0, max_size=8))
-_fraction = st.builds(lambda a, b, form: form.format(a, b), st.integers(-20, 20), st.integers(1, 12),
-                      st.sampled_from(["{}/{}", "\\frac{{{}}}{{{}}}", "\\dfrac{{{}}}{{{}}}", "\\tfrac{{{}}}{{{}}}"]))
-_commas = st.builds(lambda a, b, sep: f"{a}{sep}{b:03d}", st.integers(0, 999), st.integers(0, 999),
-                    st.sampled_from([",", ", ", "{,}", "\\,", " "]))
-_latex = st.sampled_from([
-    "x \\rightarrow 0", "x \\leftarrow 0", "\\left(1\\right)", "(1)", "\\text{8}", "8.", "\\pi", "2\\pi",
-    "\\sqrt{2}", "\\frac{\\sqrt{2}}{2}", "\\infty", "-\\infty", "x^2", "x^{2}", "\\mathrm{e}", "e", "1e3", "10^{3}",
-    "50\\%", "0.5", "\\frac{1}{3}", "0.333333", "0.3333333", "\\left[1,2\\right)", "[1,2)", "a \\leq b", "\\cdot",
-])
-_set = st.lists(st.integers(-5, 5), min_size=1, max_size=4).flatmap(lambda xs: st.sampled_from([
-    "\\{" + ",".join(map(str, xs)) + "\\}", "(" + ",".join(map(str, xs)) + ")",
-    "\\{" + ", ".join(map(str, reversed(xs))) + "\\}", ",".join(map(str, xs))]))
-_answer = st.one_of(_signed, _zero_padded, _decimal, _fraction, _commas, _latex, _set)
-
-
-def _variant(answer: str) -> st.SearchStrategy[str]:
-    """The same answer written again, or wrapped in `$`, padded, one character off, or another answer."""
-    return st.one_of(st.just(answer), st.just(f"${answer}$"), st.just(f"  {answer} "),
-                     st.just(answer.replace(" ", "")), st.just(answer + "0"), st.just("-" + answer),
-                     st.just(answer[:-1] + "1"), _answer)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_property_fast_path_verdict_is_math_verify_verdict(data):
-    prediction = data.draw(_answer, label="prediction")
-    reference = data.draw(_variant(prediction), label="reference")
-    quick = quick_equivalence(prediction, reference)
-    event(f"fast path: {quick}")
-    if quick is not None:
-        expected = _math_verify(prediction, reference)
-        note(f"math-verify: {expected}")
-        assert quick is expected
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(-10**99, 10**99), st.one_of(st.just(0), st.integers(-3, 3), st.integers(-10**99, 10**99)),
-       st.sampled_from(["{}", "${}$", " {} ", "+{}", "0{}", "{}.0", "{:,}", "{:,}, "]))
-def test_property_fast_path_on_integer_pairs(value, delta, form):
-    """The fast path's `False` (two different integers) decides most wrong answers; test it densely."""
-    prediction = form.format(value).replace(",", ", ") if form.endswith(", ") else form.format(value)
-    reference = str(value + delta)
-    quick = quick_equivalence(prediction, reference)
-    event(f"fast path: {quick}")
-    if quick is not None:
-        assert quick is _math_verify(prediction, reference)
-
-
+# --- 1. the fast path's verdict is math-verify's (the property test: test_fast_path.py) -------------------------
 @pytest.mark.parametrize("prediction, reference, expected", [
     ("2 3", "23", False),  # spaces between digits are not removed before comparing
     ("0,111", "111", False),  # a comma after a lone 0 is not a thousands separator
     ("32, 349", "32349", False),  # nor one followed by a space (a list of two numbers)
+    ("32, 349", "32,349", False),  # a list of two numbers is not a number with a thousands separator
     ("x \\rightarrow 0", "x \\leftarrow 0", False),  # \left / \right are not stripped out of arrows
     ("\\frac{1}{3}", "0.333333", True),  # math-verify rounds floats to 6 places
     ("12", "13", False), ("-7", "-7", True), ("$40$", "40", True), ("007", "7", True),
@@ -137,7 +85,7 @@ _box_text = st.lists(st.sampled_from(["\\boxed", "\\fbox", "{", "}", "\\{", "\\}
                      max_size=40).map("".join)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)  # a failure reproduces
 @given(_box_text)
 def test_property_last_boxed_matches_plain_scan(text):
     assert last_boxed(text) == _last_boxed_reference(text)
@@ -173,9 +121,11 @@ def test_scorer_bounded_time_on_degenerate_responses(extraction):
     """Each degenerate response is scored within 2 s (math-verify under a 0.5 s timeout; the rest is room for
     killing the worker on a loaded 2-core machine: 1.16 s seen beside a benchmark), and the scorer scores a
     normal pair correctly afterwards. Without the timeout, 9^{9^{9^{9}}} never finishes."""
-    config = RewardConfig(workers=2, timeout_s=0.5, extraction=extraction)
+    config = RewardConfig(workers=2, timeout_s=60, extraction=extraction)
     with RewardScorer(config) as scorer:
-        assert scorer.score([("\\boxed{\\frac{1}{2}}", "0.5", False, {})]) == [1.0]  # starts the pool
+        # starts the pool; a fresh worker's first math-verify call (regexes, sympy) takes 0.3-0.5 s on a loaded box
+        assert scorer.score([("\\boxed{\\frac{1}{2}}", "0.5", False, {})]) == [1.0]
+        scorer.config.timeout_s = 0.5
         for text, reference, expected in _DEGENERATE:
             scorer.wait_ready()  # a worker killed by the previous timeout restarts off the clock
             start = time.perf_counter()

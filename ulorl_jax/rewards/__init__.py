@@ -5,6 +5,7 @@ from ulorl_jax.rewards.scorer import EXTRACTIONS, REWARD_KINDS, RewardConfig, Re
 
 # Answer extraction and equivalence
 from ulorl_jax.rewards.equivalence import (
+    MathVerifyOptions,
     answers_equivalent,
     math_verify_equivalence,
     math_verify_response_equivalence,
@@ -34,6 +35,7 @@ __all__ = [
     "RewardScorer",
     "RewardStats",
     "as_reward",
+    "MathVerifyOptions",
     "answers_equivalent",
     "math_verify_equivalence",
     "math_verify_response_equivalence",

@@ -12,7 +12,10 @@ kinds:
   equivalence. Only pairs whose math-verify verdict is certain (the same
   answer, two integers) are decided in-process; the rest go to math-verify in
   the sandbox. extraction="math_verify": the whole response (or the pattern's
-  match) goes to math-verify's own extraction in the sandbox.
+  match) goes to math-verify's own extraction in the sandbox. math-verify's own
+  options (`float_rounding`, `strict`, `extraction_config`, ...: `MathVerifyOptions`)
+  reach every math-verify call, in the workers and in-process; the in-process
+  rules abstain under non-default parse options.
 - "custom": `custom_fn` = "package.module:function" with
   fn(prediction_text, reference, metadata) -> float, always sandboxed.
 - "verifier": a generative judge model (rewards/verifier.py), built by the
@@ -38,6 +41,7 @@ import threading
 from typing import Any, Sequence
 
 from ulorl_jax.choices import EXTRACTIONS, REWARD_KINDS  # noqa: F401  (re-exported)
+from ulorl_jax.rewards.equivalence import MathVerifyOptions, math_verify_options
 from ulorl_jax.rewards.extract import compile_answer_pattern, extract_answer
 from ulorl_jax.rewards.rule import quick_rule_reward, reference_answer
 from ulorl_jax.rewards.sandbox import Outcome, SandboxPool, resolve_function
@@ -68,6 +72,21 @@ class RewardConfig:
     custom_fn: str | None = None  # "package.module:function" when kind == "custom"
     workers: int | None = None  # sandbox processes; None: the machine's cores (>= 2); 0: run in-process
     extraction: str = "boxed"  # kind "rule": "boxed" (last \\boxed{} / answer_pattern) | "math_verify"
+    # math-verify's own options, its names and defaults (MathVerifyOptions documents them)
+    float_rounding: int = 6
+    numeric_precision: int = 15
+    strict: bool = True
+    allow_set_relation_comp: bool = False
+    extraction_config: tuple[str, ...] = ("latex", "expr")
+    boxed_match_priority: int = 50
+    try_extract_without_anchor: bool = True
+    fallback_mode: str = "first_match"
+    extraction_mode: str = "any_match"
+
+    @property
+    def math_verify(self) -> MathVerifyOptions:
+        """The math-verify options above as one picklable value (what the workers get with each call)."""
+        return math_verify_options(self)
 
     def validate(self) -> None:
         if self.kind not in REWARD_KINDS:
@@ -82,6 +101,7 @@ class RewardConfig:
             raise ValueError("reward kind 'custom' needs custom_fn='package.module:function'")
         if self.answer_pattern is not None:
             compile_answer_pattern(self.answer_pattern)
+        math_verify_options(self)  # validated: a ValueError names reward.<option>
 
     @property
     def num_workers(self) -> int:
@@ -125,6 +145,34 @@ def as_reward(value: Any) -> float | None:
     return None
 
 
+def import_custom_fn(path: str):
+    """`reward.custom_fn` ("package.module:function") imported; a ValueError names the option, the module and
+    the fix (the `ulorl` command does not search the working directory; sandbox workers get this sys.path)."""
+    import importlib
+
+    module, sep, attr = path.partition(":")
+    try:
+        if sep and module and attr:  # else resolve_function names the expected form
+            importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name and (module == err.name or module.startswith(err.name + ".")):
+            top = module.split(".")[0]
+            raise ValueError(
+                f"reward.custom_fn={path!r}: module {module!r} is not importable ({err}): install the package "
+                f"that provides it, or add the folder that holds {top!r} ({top}.py or {top}/) to PYTHONPATH, e.g. "
+                f"`PYTHONPATH=/path/to/folder ulorl train ...` (the `ulorl` command does not search the working "
+                f"directory)") from None
+        raise ValueError(f"reward.custom_fn={path!r}: module {module!r} imports {err.name!r}, which is not "
+                         f"installed ({err}): install it") from None
+    except Exception as err:  # noqa: BLE001  (the user's module failed while importing)
+        raise ValueError(f"reward.custom_fn={path!r}: importing module {module!r} failed: "
+                         f"{type(err).__name__}: {err}") from None
+    try:
+        return resolve_function(path)
+    except ValueError as err:
+        raise ValueError(f"reward.custom_fn={path!r}: {err}") from None
+
+
 class RewardScorer:
     """Scores batches of (prediction_text, reference, truncated, metadata); see module docstring.
 
@@ -138,9 +186,10 @@ class RewardScorer:
         if self.config.kind == "verifier" and verifier is None:
             raise ValueError("reward kind 'verifier' needs verifier=GenerativeVerifier(...)")
         # resolved here too so that a bad path fails now, not as a crash per sample
-        self._custom = resolve_function(self.config.custom_fn) if self.config.kind == "custom" else None
+        self._custom = import_custom_fn(self.config.custom_fn) if self.config.kind == "custom" else None
         self.verifier = verifier
         self.stats = RewardStats()
+        self._options = self.config.math_verify  # fixed for the scorer's life, like its verdict cache
         self._pool: SandboxPool | None = None
         self._logged: dict[str, int] = {}
         # math-verify verdicts by (answer, reference): a group's samples often repeat an answer
@@ -196,7 +245,7 @@ class RewardScorer:
                 key = ("long", _digest(text), str(batch[i][1]))
                 if not self._cached(key, i, rewards):
                     long.setdefault(key, []).append(i)
-                    args[key] = (text, str(batch[i][1]), pattern)
+                    args[key] = (text, str(batch[i][1]), pattern, self._options)
                 continue
             answer = text if whole and pattern is None else extract_answer(text, pattern)
             if answer is None:
@@ -205,13 +254,13 @@ class RewardScorer:
             reference = reference_answer(batch[i][1])
             # a long answer (a whole response) is remembered by its digest: the verdict cache is kept
             key = (_digest(answer) if whole or len(answer) > 256 else answer, reference)
-            quick = None if whole else quick_rule_reward(answer, reference)
+            quick = None if whole else quick_rule_reward(answer, reference, self._options)
             if quick is not None:
                 self.stats.quick += 1
                 rewards[i] = quick
             elif not self._cached(key, i, rewards):
                 hard.setdefault(key, []).append(i)
-                args[key] = (answer, reference)
+                args[key] = (answer, reference, self._options)
         self._run_grouped(_MATH_VERIFY_RESPONSE_FN if whole else _MATH_VERIFY_FN, hard, args, rewards, batch)
         self._run_grouped(_BOXED_RESPONSE_FN, long, args, rewards, batch)
 
@@ -247,7 +296,7 @@ class RewardScorer:
                 self.stats.no_answer += 1
                 continue
             reference = reference_answer(batch[i][1])
-            if quick_rule_reward(answer, reference) == 1.0:
+            if quick_rule_reward(answer, reference, self._options) == 1.0:
                 self.stats.quick += 1
                 rewards[i] = 1.0
                 continue
@@ -295,7 +344,9 @@ class RewardScorer:
 
                 on_main = threading.current_thread() is threading.main_thread()
                 seconds = max(1, math.ceil(self.config.timeout_s)) if on_main else None
-                verdict = getattr(equivalence, _MATH_VERIFY_FNS[fn_path])(*args, timeout_s=seconds)
+                prediction, reference, options = args
+                verdict = getattr(equivalence, _MATH_VERIFY_FNS[fn_path])(prediction, reference, timeout_s=seconds,
+                                                                          options=options)
                 return Outcome("ok", float(verdict))
             fn = self._custom if fn_path == self.config.custom_fn else resolve_function(fn_path)
             with _alarm(self.config.timeout_s):
