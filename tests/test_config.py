@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import yaml
@@ -203,6 +204,47 @@ def test_overrides_apply_in_order_and_reach_nested_dicts():
     assert cfg.rollout.prefill_buckets == [8, 16]
     assert tuple(cfg.optim.betas) == (0.8, 0.95)
     assert cfg.data.train_files == ["a.jsonl", "b.parquet"]
+
+
+def _tiny_yaml_with(path, chat_template_kwargs: str):
+    """tiny_cpu as a file, with `chat_template_kwargs: <the text given>` in its data section."""
+    text = config_to_yaml(load_config("tiny_cpu")).replace("  chat_template_kwargs: {}\n", "")
+    path.write_text(text.replace("data:\n", f"data:\n  chat_template_kwargs: {chat_template_kwargs}\n", 1))
+    return path
+
+
+def test_dotted_overrides_reach_every_free_form_mapping(tmp_path):
+    path = _tiny_yaml_with(tmp_path / "c.yaml", "{enable_thinking: false, mode: a}")
+    cfg = load_config(str(path), ["data.chat_template_kwargs.enable_thinking=true", "data.synthetic.num_train=9",
+                                  "data.chat_template_kwargs.nested.depth=2"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": True, "mode": "a", "nested": {"depth": 2}}
+    assert cfg.data.synthetic["num_train"] == 9
+    cfg = load_config("tiny_cpu", ["data.chat_template_kwargs={enable_thinking: true}"])  # the whole mapping
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": True}
+    with pytest.raises(ConfigError, match=r"closest valid key is 'model\.arch\.hidden_size'"):  # still checked
+        load_config("tiny_cpu", ["model.arch.hidden_sise=8"])
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("data.chat_template_kwargs={enable_thinking:true}",
+     "data.chat_template_kwargs={enable_thinking: true}, or data.chat_template_kwargs.enable_thinking=true"),
+    ("data.chat_template_kwargs={a: 1, b:2}", "data.chat_template_kwargs={b: 2}, or data.chat_template_kwargs.b=2"),
+    ("model.overrides={rope_scaling:null}", "model.overrides={rope_scaling: null}"),
+])
+def test_a_flow_mapping_without_a_space_after_the_colon_is_refused_with_the_right_form(override, fix):
+    # YAML reads {enable_thinking:true} as the key 'enable_thinking:true' with no value, which no option means
+    with pytest.raises(ConfigError, match=r"the entry '.*:.*' has no value.*Write " + re.escape(fix)):
+        load_config("tiny_cpu", [override])
+
+
+def test_a_yaml_file_with_a_colon_key_is_refused_too(tmp_path):
+    path = _tiny_yaml_with(tmp_path / "c.yaml", "{enable_thinking:true}")
+    with pytest.raises(ConfigError, match=r"data\.chat_template_kwargs \(in .*c\.yaml\): the entry "
+                                          r"'enable_thinking:true' has no value.*chat_template_kwargs: "
+                                          r"\{enable_thinking: true\}"):
+        load_config(str(path))
+    path = _tiny_yaml_with(tmp_path / "c.yaml", '{"a:b": 1}')  # a quoted key with a value is a real key
+    assert load_config(str(path)).data.chat_template_kwargs == {"a:b": 1}
 
 
 def test_model_config_checks_checkpoint_against_arch_and_applies_overrides():

@@ -419,7 +419,7 @@ def test_eval_files_have_their_own_keys(tmp_path):
     options = _data_options(eval_prompt_key="problem", eval_answer_key="solution")
     items = prompt_file_stream([str(path)], options, TOK, None, shuffle=False, held_out=True).take(1)
     assert items[0].metadata["answer"] == "2" and items[0].metadata["prompt"] == "1+1"
-    with pytest.raises(ValueError, match="missing key 'prompt'"):  # training files keep data.prompt_key
+    with pytest.raises(ValueError, match=r"has the prompt key 'prompt'.*Set data\.prompt_key"):  # training's key
         prompt_file_stream([str(path)], options, TOK, None, shuffle=False)
 
 
@@ -429,3 +429,16 @@ def test_bad_json_message_says_where_and_shows_the_line(tmp_path):
     assert isinstance(row, BadRow)
     assert row.reason.startswith("bad JSON (Expecting value at column 27): ")
     assert '{"prompt": "x", "answer": }' in row.reason
+
+
+@pytest.mark.parametrize("line, reason", [
+    # json's own message ends in "at" for these: said once
+    ('{"prompt": "a\tb"}', "bad JSON (Invalid control character at column 14): '{\"prompt\": \"a\\tb\"}'"),
+    ('{"prompt": "ab', "bad JSON (Unterminated string starting at column 12): '{\"prompt\": \"ab'"),
+    ('{"prompt" 1}', "bad JSON (Expecting ':' delimiter at column 11): '{\"prompt\" 1}'"),
+])
+def test_bad_json_message_says_at_once(tmp_path, line, reason):
+    path = tmp_path / "b.jsonl"
+    path.write_text(line)  # no newline at the end: else it is the unterminated string's control character
+    (_, row), = read_rows(path)
+    assert row.reason == reason

@@ -1,7 +1,9 @@
-"""`ulorl generate` end to end on a tiny HF folder (with a tokenizer) and on our orbax folder."""
+"""`ulorl generate` end to end on a tiny HF folder (with a tokenizer), on our orbax folder and on a run folder."""
 
+import argparse
 import json
 
+import numpy as np
 import pytest
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -65,6 +67,11 @@ def test_generate_hf_folder_greedy_segments_and_orbax(folders, tmp_path, capsys)
     native = generate(tmp_path, native_dir, ids_only, "--temperature", "0", name="native.jsonl")
     assert [r["tokens"] for r in native] == [one[1]["tokens"], one[2]["tokens"]]
     assert "text" not in native[0]  # our folder carries no tokenizer
+    # --tokenizer DIR: text prompts (chat template included) and text output for a folder without one
+    borrowed = generate(tmp_path, native_dir, prompts, "--temperature", "0", "--tokenizer", str(hf_dir),
+                        name="borrowed.jsonl")
+    assert [r["tokens"] for r in borrowed] == [r["tokens"] for r in one]
+    assert borrowed[2]["text"] == one[2]["text"]
 
 
 @pytest.mark.slow  # several engine compiles: > 20 s on a loaded 2-core box
@@ -94,3 +101,117 @@ def test_generate_bad_input(folders, tmp_path, capsys):
     assert main(["generate", "--model", str(hf_dir), "--prompts", str(bad), "--out", str(tmp_path / "y"),
                  "--no-progress"]) == 2
     assert "unknown token ids [500]" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_prompt_as_long_as_the_models_positions(folders, tmp_path, capsys):
+    hf_dir, _, _ = folders
+    positions = json.loads((hf_dir / "config.json").read_text())["max_position_embeddings"]
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt_ids": [3, 4]}) + "\n" + json.dumps({"prompt_ids": [3] * positions}) + "\n")
+    assert main(["generate", "--model", str(hf_dir), "--prompts", str(long), "--out", str(tmp_path / "y"),
+                 "--no-progress"]) == 2
+    assert (f"{long}:2: the prompt has {positions} tokens; the model has {positions} positions, which must hold the "
+            "prompt and at least one new token") in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
+
+
+def test_generate_tokenizer_and_chat_flags_are_checked_first(folders, tmp_path, capsys):
+    hf_dir, native_dir, prompts = folders
+    base = ["generate", "--model", str(native_dir), "--prompts", str(prompts), "--out", str(tmp_path / "x.jsonl"),
+            "--no-progress"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*base, "--tokenizer", str(empty)]) == 2
+    assert f"--tokenizer {empty}: no tokenizer files there (tokenizer.json" in capsys.readouterr().err
+    assert main([*base, "--tokenizer", str(hf_dir), "--chat-template-kwargs", "{enable_thinking:true}"]) == 2
+    assert ("--chat-template-kwargs '{enable_thinking:true}': the entry 'enable_thinking:true' has no value (YAML "
+            "needs a space after the colon): write --chat-template-kwargs '{enable_thinking: true}'"
+            in capsys.readouterr().err)
+    assert main([*base, "--chat-template-kwargs", "[1, 2]"]) == 2
+    assert "expected a mapping of names to values" in capsys.readouterr().err
+
+
+def test_chat_settings_are_the_flags_else_the_runs_else_the_defaults():
+    from ulorl_jax.config import load_config
+    from ulorl_jax.rollout.generate import ChatSettings, add_parser, chat_settings
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    flags = ["generate", "--model", "m", "--prompts", "p", "--out", "o"]
+    run = load_config("tiny_cpu", ["data.apply_chat_template=true", "data.system_prompt=be brief",
+                                   "data.chat_template_kwargs.enable_thinking=true"])
+    assert chat_settings(parser.parse_args(flags)) == ChatSettings(True, None, {})
+    assert chat_settings(parser.parse_args(flags), run) == ChatSettings(True, "be brief", {"enable_thinking": True})
+    given = parser.parse_args([*flags, "--system-prompt", "terse", "--chat-template-kwargs", "{enable_thinking: false}",
+                               "--no-chat-template"])
+    assert chat_settings(given, run) == ChatSettings(False, "terse", {"enable_thinking": False})
+    assert chat_settings(given) == ChatSettings(False, "terse", {"enable_thinking": False})
+
+
+# --- a run folder: the run's own chat settings ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    """A run folder as `ulorl train` leaves it (config.yaml + checkpoints/0) whose data section formats text prompts
+    with a system prompt and a chat-template argument; fresh tiny weights (what was trained is not the point)."""
+    import jax
+    from flax import nnx
+
+    from ulorl_jax.checkpoint import TrainCheckpointer
+    from ulorl_jax.config import config_to_yaml, load_config
+    from ulorl_jax.data.tokenizer import CHAT_TEMPLATE, build_tokenizer
+    from ulorl_jax.models import init_model
+
+    root = tmp_path_factory.mktemp("run_source")
+    tokenizer = build_tokenizer(chat_template=CHAT_TEMPLATE + "{% if enable_thinking %}T{% endif %}")
+    tokenizer.save_pretrained(root / "tok")
+    (root / "train.jsonl").write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
+    cfg = load_config("tiny_cpu", [
+        "model.arch.vocab_size=128", "model.arch.max_position_embeddings=48", f"model.tokenizer={root / 'tok'}",
+        "data.synthetic=null", f"data.train_files=[{root / 'train.jsonl'}]", "data.apply_chat_template=true",
+        "data.system_prompt=be brief", "data.chat_template_kwargs={enable_thinking: true}"])
+    run = root / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
+    model = init_model(cfg.model.model_config(), seed=0)
+    ckpt = TrainCheckpointer(run / "checkpoints", async_save=False)
+    try:
+        ckpt.save(0, params=nnx.state(model, nnx.Param), opt_state={"count": np.zeros((), np.int32)},
+                  rng=jax.random.PRNGKey(0), meta={})
+    finally:
+        ckpt.close()
+    return run, tokenizer
+
+
+@pytest.mark.slow  # an engine compile for a 48-position model
+def test_generate_on_a_run_formats_text_prompts_as_the_run_trained(run_folder, tmp_path, capsys):
+    from ulorl_jax.data.prompts import encode_prompt
+
+    run, tokenizer = run_folder
+    as_trained = encode_prompt(tokenizer, "hi", system_prompt="be brief",
+                               chat_template_kwargs={"enable_thinking": True})
+    plain = encode_prompt(tokenizer, "hi")
+    assert tokenizer.decode(as_trained).startswith("<|im_start|>system\nbe brief") and tokenizer.decode(
+        as_trained).endswith("assistant\nT")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"prompt": "hi"}, {"prompt_ids": as_trained}, {"prompt_ids": plain})))
+    out = tmp_path / "out.jsonl"
+    # 40 new tokens do not fit beside the 24-token prompt in 48 positions: capped, as `ulorl eval` does.
+    # No --no-progress: stderr is not a terminal here, so no progress display and no stray blank line either.
+    assert main(["generate", "--model", str(run), "--prompts", str(prompts), "--out", str(out), "--temperature", "0",
+                 "--max-new-tokens", "40", "--segments", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "" not in err.splitlines() and not err.startswith("\n"), repr(err)
+    assert "system prompt 'be brief', chat_template_kwargs {'enable_thinking': True}" in err
+    longest = len(as_trained)
+    assert (f"--max-new-tokens 40 + the longest prompt ({longest} tokens) exceed the model's 48 positions; generating "
+            f"{(48 - longest) // 2 * 2} at most") in err
+    text, ids, bare = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 1 <= len(text["tokens"]) <= 48 - longest
+    # the text prompt was formatted with the run's system prompt and template argument: the same greedy tokens
+    # and log-probs as the ids built that way, unlike the prompt without them
+    assert text["tokens"] == ids["tokens"]
+    np.testing.assert_allclose(text["logprobs"], ids["logprobs"], atol=1e-5)
+    assert not np.allclose(text["logprobs"][:1], bare["logprobs"][:1], atol=1e-3)

@@ -4,7 +4,14 @@
 keeps the valid ones as `PromptRecord`s and reports the others as `BadRow`s
 with file and line: bad JSON, missing key, wrong type, empty prompt, prompt
 longer than `max_prompt_len` tokens. `on_bad_row="skip"` logs and counts
-them; "error" raises ValueError at the first one.
+them; "error" raises ValueError at the first one. A file in which no row has
+the prompt (or answer) key is one error naming the key, the keys its rows do
+have and the option that sets the key, raised before any per-row warning.
+
+A record's metadata (what rewards see, `fn(prediction, reference, metadata)`)
+holds `source` (the file), `line`, `prompt` (text prompts), `answer`, and the
+row's other keys (`extra_keys`: None = all of them), as JSON values: numpy
+arrays become lists, dates ISO strings; checkpoints store metadata as JSON.
 
 `PromptStream` yields `PromptItem`s (ulorl_jax/types.py) forever, epoch after
 epoch; epoch e visits the records in the permutation drawn from (seed, e).
@@ -17,6 +24,8 @@ the same prompt drawn in two epochs forms two GRPO groups that never mix.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import decimal
 import logging
 import zlib
 from pathlib import Path
@@ -31,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 BAD_ROW_ACTIONS = ("skip", "error")
 _LOGGED_BAD_ROWS = 20
+# Metadata keys the data layer, the stream and the trainer set: a row key of the same name is not copied.
+RESERVED_METADATA_KEYS = ("source", "line", "prompt", "answer", "row", "epoch", "reward")
 
 
 @dataclasses.dataclass
@@ -46,13 +57,28 @@ class PromptDataConfig:
     system_prompt: str | None = None
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {"enable_thinking": True}
     split: str = "train"  # for a datasets folder holding a DatasetDict
-    extra_keys: tuple[str, ...] = ()  # further row fields copied into metadata
+    # row fields copied into metadata: None = every key but prompt_key / answer_key (and the reserved
+    # names, RESERVED_METADATA_KEYS); a listed key is left out where a row lacks it; a listed key holding a
+    # value JSON cannot carry makes the row bad
+    extra_keys: tuple[str, ...] | None = None
     shuffle: bool = True
     seed: int = 0
+    # the config options that set prompt_key / answer_key / extra_keys, named in error messages
+    prompt_key_option: str = "prompt_key"
+    answer_key_option: str = "answer_key"
+    extra_keys_option: str = "extra_keys"
 
     def validate(self) -> None:
         if not self.path:
             raise ValueError("prompt data: path is empty")
+        if self.extra_keys is not None:
+            if isinstance(self.extra_keys, str):
+                raise ValueError(f"{self.extra_keys_option}={self.extra_keys!r}: expected a list of row keys, "
+                                 f"e.g. [{self.extra_keys}]")
+            reserved = sorted(set(self.extra_keys) & set(RESERVED_METADATA_KEYS))
+            if reserved:
+                raise ValueError(f"{self.extra_keys_option} lists {reserved}: metadata keys the data layer sets "
+                                 f"itself ({', '.join(RESERVED_METADATA_KEYS)}); rename the row field")
         if self.on_bad_row not in BAD_ROW_ACTIONS:
             raise ValueError(f"on_bad_row must be one of {BAD_ROW_ACTIONS}, got {self.on_bad_row!r}")
         if self.max_prompt_len is not None and self.max_prompt_len < 1:
@@ -125,9 +151,67 @@ def _answer_text(answer: Any) -> str:
     return text
 
 
+def json_value(value: Any) -> Any:
+    """`value` as JSON types (dict with str keys, list, str, int, float, bool, None): numpy arrays and
+    scalars (parquet / datasets rows), tuples, dates (ISO strings), Decimals (strings). TypeError otherwise."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"a mapping with non-string keys ({_describe_keys(value)})")
+        return {k: json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return json_value(value.tolist())
+    if isinstance(value, np.generic):
+        return json_value(value.item())
+    if isinstance(value, (datetime.date, datetime.time)):  # datetime.datetime is a date
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    raise TypeError(f"a {type(value).__name__} value")
+
+
+def _describe_keys(mapping: dict) -> str:
+    return ", ".join(sorted({type(k).__name__ for k in mapping if not isinstance(k, str)}))
+
+
+def _extra_metadata(row: dict, config: PromptDataConfig, skipped: dict[str, str] | None) -> dict:
+    """The row's extra fields for metadata (see PromptDataConfig.extra_keys); `skipped` collects the keys
+    left out when copying every key (reserved name or not JSON-able) with why."""
+    out: dict = {}
+    if config.extra_keys is not None:
+        for key in config.extra_keys:
+            if key not in row:
+                continue  # optional per row, as when every key is copied
+            try:
+                out[key] = json_value(row[key])
+            except TypeError as err:
+                raise TypeError(f"key {key!r} (listed in {config.extra_keys_option}) holds {err}, which the "
+                                "reward's metadata cannot carry (it must be JSON-able)") from None
+        return out
+    for key, value in row.items():
+        if key in (config.prompt_key, config.answer_key):
+            continue
+        if key in RESERVED_METADATA_KEYS:
+            if skipped is not None and key not in skipped:
+                skipped[key] = (f"metadata[{key!r}] is set by ulorl itself ({', '.join(RESERVED_METADATA_KEYS)} "
+                                "are); rename the field to pass it to the reward")
+            continue
+        try:
+            out[key] = json_value(value)
+        except TypeError as err:
+            if skipped is not None and key not in skipped:
+                skipped[key] = (f"it holds {err}, which metadata cannot carry (it must be JSON-able); set "
+                                f"{config.extra_keys_option} to the keys the reward needs")
+    return out
+
+
 def record_from_row(row: dict, config: PromptDataConfig, tokenizer: Any, source: str,
-                    line: int) -> PromptRecord:
-    """Validate and tokenize one row; ValueError / TypeError / KeyError say what is wrong."""
+                    line: int, skipped: dict[str, str] | None = None) -> PromptRecord:
+    """Validate and tokenize one row; ValueError / TypeError / KeyError say what is wrong.
+    `skipped`: filled with the row keys not copied into metadata (extra_keys None), and why."""
     if config.prompt_key not in row:
         raise KeyError(f"missing key {config.prompt_key!r} (keys: {sorted(row)[:8]})")
     prompt = row[config.prompt_key]
@@ -142,10 +226,7 @@ def record_from_row(row: dict, config: PromptDataConfig, tokenizer: Any, source:
         if config.answer_key not in row:
             raise KeyError(f"missing key {config.answer_key!r} (keys: {sorted(row)[:8]})")
         metadata["answer"] = _answer_text(row[config.answer_key])
-    for key in config.extra_keys:
-        if key in row:
-            metadata[key] = row[key]
-    return PromptRecord(prompt_ids, metadata)
+    return PromptRecord(prompt_ids, {**_extra_metadata(row, config, skipped), **metadata})
 
 
 def load_prompts(config: PromptDataConfig, tokenizer: Any) -> tuple[list[PromptRecord], list[BadRow]]:
@@ -154,26 +235,75 @@ def load_prompts(config: PromptDataConfig, tokenizer: Any) -> tuple[list[PromptR
     source = str(Path(config.path))
     records: list[PromptRecord] = []
     bad: list[BadRow] = []
+    keys = _KeyCensus(config)
+    skipped: dict[str, str] = {}
+    pending: BadRow | None = None  # on_bad_row="error": a missing-key row, held until the file is scanned
     for line, row in read_rows(config.path, split=config.split):
         if not isinstance(row, BadRow):
+            keys.add(row)
+            if pending is not None:
+                continue  # only looking for the key now
             try:
-                records.append(record_from_row(row, config, tokenizer, source, line))
+                records.append(record_from_row(row, config, tokenizer, source, line, skipped))
                 continue
             except (KeyError, TypeError, ValueError) as err:
                 reason = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
                 row = BadRow(source, line, str(reason))
+                if config.on_bad_row == "error" and isinstance(err, KeyError) and keys.lacks_a_key():
+                    pending = row  # a file without the key at all gets the clearer error below
+                    continue
         if config.on_bad_row == "error":
             raise ValueError(f"bad prompt row {row} (set data.on_bad_row=skip to skip such rows)")
-        if len(bad) < _LOGGED_BAD_ROWS:
-            logger.warning("skipping bad prompt row %s", row)
         bad.append(row)
+    keys.check(source)  # before any per-row warning: one error for a file read with the wrong key
+    if pending is not None:
+        raise ValueError(f"bad prompt row {pending} (set data.on_bad_row=skip to skip such rows)")
+    for row in bad[:_LOGGED_BAD_ROWS]:
+        logger.warning("skipping bad prompt row %s", row)
     if len(bad) > _LOGGED_BAD_ROWS:
         logger.warning("skipped %d bad prompt rows in %s in all (first %d logged)", len(bad), source,
                        _LOGGED_BAD_ROWS)
+    for key, why in sorted(skipped.items()):
+        logger.warning("data: %s: row key %r is not passed to rewards: %s", source, key, why)
     if not records:
         raise ValueError(f"prompt data {source!r} has no valid rows ({len(bad)} bad"
                          + (f", first: {bad[0]}" if bad else "") + ")")
     return records, bad
+
+
+class _KeyCensus:
+    """Which of the configured prompt / answer keys a file's rows have, and the keys they have instead."""
+
+    _MAX_KEYS = 40  # keys named in the error
+
+    def __init__(self, config: PromptDataConfig):
+        self.rows = 0
+        self.seen: dict[str, None] = {}  # every key met, in first-seen order
+        wanted = [(config.prompt_key, "prompt", config.prompt_key_option)]
+        if config.answer_key is not None:
+            wanted.append((config.answer_key, "answer", config.answer_key_option))
+        self.wanted = wanted
+        self.found = {key: False for key, _, _ in wanted}
+
+    def add(self, row: dict) -> None:
+        self.rows += 1
+        for key in self.found:
+            if not self.found[key] and key in row:
+                self.found[key] = True
+        if len(self.seen) < 10 * self._MAX_KEYS:
+            self.seen.update(dict.fromkeys(row))
+
+    def lacks_a_key(self) -> bool:
+        return not all(self.found.values())
+
+    def check(self, source: str) -> None:
+        for key, role, option in self.wanted:
+            if self.rows and not self.found[key]:
+                have = sorted(map(str, self.seen))
+                shown = have[:self._MAX_KEYS] + (["..."] if len(have) > self._MAX_KEYS else [])
+                raise ValueError(
+                    f"prompt data {source!r} has no valid rows: none of its {self.rows} rows has the {role} key "
+                    f"{key!r}; its rows have the keys {shown}. Set {option} to the key that holds the {role}")
 
 
 def fingerprint(records: Sequence[PromptRecord]) -> int:

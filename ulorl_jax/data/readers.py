@@ -73,7 +73,9 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict | BadRow]]:
             except json.JSONDecodeError as err:
                 snippet = text.strip()
                 snippet = snippet if len(snippet) <= 80 else snippet[:77] + "..."
-                yield number, BadRow(source, number, f"bad JSON ({err.msg} at column {err.colno}): {snippet!r}")
+                # some of json's messages end in "at" ("Invalid control character at"): one "at" only
+                what = err.msg.removesuffix(" at")
+                yield number, BadRow(source, number, f"bad JSON ({what} at column {err.colno}): {snippet!r}")
                 continue
             except RecursionError:
                 yield number, BadRow(source, number, "bad JSON: nested too deeply")

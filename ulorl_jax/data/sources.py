@@ -122,20 +122,26 @@ def prompt_file_stream(files: Sequence[str], options: Any, tokenizer, max_prompt
     """A PromptStream over the rows of `files` (jsonl / parquet / datasets folders). `options`: the run
     config's `data` section. Each file's kept and dropped rows are reported, by reason; a file with more
     than `data.max_dropped_fraction` of its rows dropped is refused. `held_out`: eval files, read with
-    `data.eval_prompt_key` / `eval_answer_key` when set."""
+    `data.eval_prompt_key` / `eval_answer_key` when set. Rows' other keys (`data.extra_keys`, null = all)
+    reach the rewards' metadata, in training and held-out eval alike."""
     from ulorl_jax.data.prompts import PromptDataConfig, PromptStream, load_prompts
 
     prompt_key, answer_key = options.prompt_key, options.answer_key
     if held_out:
         prompt_key = options.eval_prompt_key or prompt_key
         answer_key = options.eval_answer_key or answer_key
+    prefix = "data.eval_" if held_out else "data."  # the options named when a file lacks a key
+    extra_keys = options.extra_keys
     records, bad = [], []
     for path in files:
         config = PromptDataConfig(path=path, prompt_key=prompt_key, answer_key=answer_key,
                                   max_prompt_len=max_prompt_len, on_bad_row=options.on_bad_row,
                                   use_chat_template=options.apply_chat_template, system_prompt=options.system_prompt,
                                   chat_template_kwargs=dict(options.chat_template_kwargs or {}), shuffle=shuffle,
-                                  seed=options.shuffle_seed)
+                                  seed=options.shuffle_seed,
+                                  extra_keys=None if extra_keys is None else tuple(extra_keys),
+                                  prompt_key_option=f"{prefix}prompt_key", answer_key_option=f"{prefix}answer_key",
+                                  extra_keys_option="data.extra_keys")
         config.validate()
         got, rejected = load_prompts(config, tokenizer)
         _report_file(path, len(got), rejected, options.max_dropped_fraction, held_out)
