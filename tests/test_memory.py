@@ -31,7 +31,7 @@ def test_train_memory_per_device_by_layout():
         m = train_memory(cfg, w, learner_shards=4, decode_kind=kind, decode_devices=devices, slots=8, max_len=100,
                          shared_host=False)
         assert (m.learner, m.rollout_weights, m.kv_cache) == (4 * w // 4, rollout, kv // devices), kind
-    with pytest.raises(ValueError, match=r"needs 0\.00 GiB.*lower rollout\.max_concurrent_decodes"):
+    with pytest.raises(ValueError, match=r"needs 15 B.*allows 12 B: lower rollout\.max_concurrent_decodes"):
         check_train_memory(TrainMemory(10, 0, 5), 12, "--max-memory", slots=8, max_len=100)
     check_train_memory(TrainMemory(10, 0, 2), 12, "--max-memory", slots=8, max_len=100)  # fits: no error
 

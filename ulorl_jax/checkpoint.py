@@ -95,7 +95,7 @@ class TrainCheckpointer:
     def __init__(self, directory: str | os.PathLike, keep_last: int = 3, async_save: bool = True):
         if keep_last < 1:
             raise CheckpointError(f"keep_last={keep_last}: keep at least one checkpoint")
-        self.directory = Path(directory).absolute()
+        self.directory = Path(os.path.abspath(directory))  # absolute and normalised (no "..")
         self.async_save = async_save
         options = ocp.CheckpointManagerOptions(max_to_keep=keep_last, enable_async_checkpointing=async_save,
                                                create=True)

@@ -22,6 +22,22 @@ import jax.numpy as jnp
 from ulorl_jax.models.config import resolve_dtype
 
 
+_UNITS = ("KiB", "MiB", "GiB", "TiB")
+
+
+def format_bytes(n: int | float) -> str:
+    """`n` bytes in the largest binary unit that keeps the figure >= 1 ('1.50 GiB', '12.25 MiB', '640 B'), so
+    that a toy run's figures do not all print as '0.00 GiB'."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    value, unit = float(n), "B"
+    for unit in _UNITS:
+        value /= 1024
+        if abs(value) < 1024:
+            break
+    return f"{value:.2f} {unit}"
+
+
 def kv_cache_bytes(model_config, slots: int, max_len: int) -> int:
     """Bytes of the engine's dense KV cache: slots x positions x layers x (K, V) x kv_heads x head_dim."""
     c = model_config
@@ -75,12 +91,11 @@ def check_train_memory(need: TrainMemory, budget: int, where: str, *, slots: int
     """Refuse (ValueError) when `need` exceeds `budget`, naming the parts and the options that change them."""
     if need.total <= budget:
         return
-    gib = 2**30
     raise ValueError(
-        f"this run needs {need.total / gib:.2f} GiB before activations (learner weights, gradients and AdamW "
-        f"moments {need.learner / gib:.2f}, rollout weights {need.rollout_weights / gib:.2f}, decode KV cache "
-        f"{need.kv_cache / gib:.2f} for {slots} slots x {max_len} positions) but {where} allows "
-        f"{budget / gib:.2f} GiB: lower rollout.max_concurrent_decodes (slots), rollout.global_max_len or "
+        f"this run needs {format_bytes(need.total)} before activations (learner weights, gradients and AdamW "
+        f"moments {format_bytes(need.learner)}, rollout weights {format_bytes(need.rollout_weights)}, decode KV "
+        f"cache {format_bytes(need.kv_cache)} for {slots} slots x {max_len} positions) but {where} allows "
+        f"{format_bytes(budget)}: lower rollout.max_concurrent_decodes (slots), rollout.global_max_len or "
         f"eval.max_new_tokens (positions), shard the model over more devices (mesh.*), or raise --max-memory "
         f"(`ulorl plan` gives the full figure, activations included)")
 

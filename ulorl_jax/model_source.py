@@ -13,8 +13,11 @@ model (no second copy of the weights is built first).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 KINDS = ("hf", "ulorl", "run", "config")  # config: a fresh model built from a run config's model.arch
 RUN_CONFIG = "config.yaml"
@@ -71,13 +74,22 @@ def _is_run(p: Path) -> bool:
 
 
 def run_config(run_dir: str | Path, overrides: list[str] | None = None):
-    """The RunConfig a run was trained with (its config.yaml), with `overrides` applied."""
+    """The RunConfig a run was trained with (its config.yaml), with `overrides` applied, its path-valued
+    options absolute (`run_paths.py`: a run stores them so; an older run's relative ones, and relative
+    overrides, are resolved against the working directory)."""
+    from ulorl_jax import run_paths
     from ulorl_jax.config import load_config
 
     path = Path(run_dir) / RUN_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a run folder (`ulorl train` writes it first)")
-    return load_config(str(path), list(overrides or []))
+    cfg = load_config(str(path), list(overrides or []))
+    relative = run_paths.relative_paths({key: run_paths.option_value(cfg, key) for key in run_paths.PATH_OPTIONS})
+    if relative:
+        log.warning("%s holds relative paths (%s), resolved against the working directory %s; runs written by "
+                    "this version store them absolute", path,
+                    ", ".join(f"{k}={v}" for k, v in relative.items()), Path.cwd())
+    return run_paths.resolve_paths(cfg)
 
 
 def read_model_config(path: str | Path, dtype: str | None = None, **runtime):
@@ -121,10 +133,13 @@ def load(source: ModelSource, dtype: str | None = None, overrides: list[str] | N
         return LoadedModel(load_any(source.path, dtype=dtype), load_tokenizer(source.path), source)
     from flax import nnx
 
+    from ulorl_jax import run_paths
     from ulorl_jax.checkpoint import TrainCheckpointer
     from ulorl_jax.models.qwen3 import Qwen3ForCausalLM
 
     cfg = run_config(source.path, overrides)
+    run_paths.check_paths_exist(cfg, ("model.path", "model.tokenizer"),
+                                where=f" (in {Path(source.path) / RUN_CONFIG})")
     step = checkpoint_step(source.path, source.step)
     dtype = dtype or cfg.model.param_dtype
     base = None if cfg.model.path is None else read_model_config(cfg.model.path, dtype)
@@ -179,6 +194,9 @@ def build_tokenizer(cfg):
     folder = cfg.model.tokenizer or cfg.model.path
     if folder is not None:
         key = "model.tokenizer" if cfg.model.tokenizer else "model.path"
+        from ulorl_jax import run_paths
+
+        run_paths.check_paths_exist(cfg, (key,))  # a missing folder is named as missing, not as tokenizer-less
         try:
             tokenizer = load_tokenizer(folder)
         except (OSError, ValueError) as err:

@@ -230,3 +230,67 @@ def test_a_small_kv_pool_preempts_and_trains_the_same_samples(tmp_path, monkeypa
         assert sum(r["kv_preemptions"] for r in metrics) > 0, preemption
         assert 0 < max(r["kv_peak_pages"] for r in metrics) <= 24
         assert got == want, preemption
+
+
+def test_an_unimportable_custom_reward_names_the_module_and_pythonpath_and_leaves_no_folder(tmp_path, capsys):
+    from ulorl_jax.cli import main
+    from trainer_utils import TINY
+
+    run = tmp_path / "runs" / "mine"
+    cfg = tiny_config("reward.kind=custom", "reward.custom_fn=my_rewards_xyz.score:reward")
+    with pytest.raises(ValueError, match=r"reward\.custom_fn='my_rewards_xyz\.score:reward': module "
+                                         r"'my_rewards_xyz\.score' is not importable .* to PYTHONPATH"):
+        Trainer(cfg, run)
+    assert not (tmp_path / "runs").exists()
+    assert main(["train", "--config", "tiny_cpu", "--run-dir", str(run), *TINY, "reward.kind=custom",
+                 "reward.custom_fn=my_rewards_xyz.score:reward"]) == 2
+    err = capsys.readouterr().err
+    assert "install the package that provides it, or add the folder" in err and "PYTHONPATH" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_custom_reward_whose_dependency_is_missing_says_so(tmp_path, monkeypatch):
+    from ulorl_jax.rewards.scorer import import_custom_fn
+
+    (tmp_path / "needs_dep_xyz.py").write_text("import missing_dep_xyz\n\ndef reward(t, r, m):\n    return 1.0\n")
+    (tmp_path / "no_fn_xyz.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reward\.custom_fn='needs_dep_xyz:reward': module 'needs_dep_xyz' imports "
+                                         r"'missing_dep_xyz', which is not installed"):
+        import_custom_fn("needs_dep_xyz:reward")
+    with pytest.raises(ValueError, match=r"reward\.custom_fn='no_fn_xyz:reward': module 'no_fn_xyz' has no attribute"):
+        import_custom_fn("no_fn_xyz:reward")
+
+
+def test_a_setup_failure_after_the_folder_is_made_removes_only_a_folder_it_created(tmp_path, monkeypatch):
+    """The folder comes after every check; what can still fail (restore, config.yaml, the metrics writer)
+    removes a folder this run created, never one that was there before."""
+    import ulorl_jax.rl.trainer as trainer_module
+
+    def broken_writer(*args, **kwargs):
+        raise OSError("metrics writer failed")
+
+    monkeypatch.setattr(trainer_module, "MetricsWriter", broken_writer)
+    cfg = tiny_config("trainer.total_steps=1")
+    with pytest.raises(OSError, match="metrics writer failed"):
+        Trainer(cfg, tmp_path / "new" / "run")
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(OSError, match="metrics writer failed"):
+        Trainer(cfg, kept)
+    assert (kept / "notes.txt").read_text() == "mine"
+
+
+def test_warm_start_without_synthetic_data_is_refused_before_the_folder_exists(tmp_path):
+    """It used to fail in `ulorl train`'s warm start, after the run folder and its config.yaml were written."""
+    from ulorl_jax.data.tokenizer import build_tokenizer, synthetic_alphabet
+
+    build_tokenizer(synthetic_alphabet()).save_pretrained(tmp_path / "tok")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a1 b2", "answer": "3"}\n')
+    cfg = tiny_config("data.synthetic=null", f"data.train_files=[{tmp_path / 'train.jsonl'}]", "trainer.sft_steps=2",
+                      f"model.tokenizer={tmp_path / 'tok'}")
+    with pytest.raises(ValueError, match=r"trainer\.sft_steps=2 needs data\.synthetic"):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

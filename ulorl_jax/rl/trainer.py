@@ -53,9 +53,10 @@ from ulorl_jax.decode.placement import (
     resolve_kind,
     weight_bytes,
 )
-from ulorl_jax.memory import check_train_memory, memory_budget, train_memory
+from ulorl_jax.memory import check_train_memory, format_bytes, memory_budget, train_memory
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
+from ulorl_jax.run_paths import check_paths_exist, resolve_flat, resolve_paths, used_paths
 from ulorl_jax.rl.advantages import (
     dynamic_sampling_report,
     grpo_advantages_host,
@@ -106,7 +107,9 @@ def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
                 out[name] = value
         return out
 
-    saved, now = flat(yaml.safe_load(saved_path.read_text())), flat(config_to_dict(cfg))
+    # Paths compared absolute: an older run's config.yaml holds them as given, relative to the working directory.
+    saved = resolve_flat(flat(yaml.safe_load(saved_path.read_text())))
+    now = resolve_flat(flat(config_to_dict(cfg)))
     if isinstance(saved.get("trainer.remat"), bool):  # run folders written before remat took policy names
         saved["trainer.remat"] = remat_policy(saved["trainer.remat"])
     changed = sorted(k for k in set(saved) | set(now)
@@ -126,6 +129,35 @@ def check_resume_config(saved_path: Path, cfg: RunConfig) -> None:
 # ---------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """`path` and its ancestors that do not exist yet, deepest first (what `mkdir(parents=True)` creates)."""
+    missing = []
+    for p in (path.absolute(), *path.absolute().parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def _remove_created(run_dir: Path, created: list[Path]) -> None:
+    """Remove a run folder this process created (`created`: from `_missing_folders`) unless it holds a
+    committed checkpoint, then the parents it created while they are empty. A folder that existed before
+    is never touched."""
+    import shutil
+
+    if not created:
+        return
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        return
+    shutil.rmtree(created[0], ignore_errors=True)
+    for parent in created[1:]:
+        try:
+            parent.rmdir()  # only when empty: another run may have started beside this one
+        except OSError:
+            break
 
 
 class _NoMetrics:
@@ -154,18 +186,52 @@ class Trainer:
                  length_oracle: Callable[[Sample], int | None] | None = None, max_memory_gb: float | None = None):
         """`length_oracle` (tests, benchmarks): ends a sample as if EOS at the length it returns.
         `max_memory_gb`: the memory budget per device checked before allocating (default: the device's free
-        memory, or 80% of host RAM on CPU; `memory.py`)."""
+        memory, or 80% of host RAM on CPU; `memory.py`).
+
+        Everything that can refuse the run (config, paths, tokenizer, data, reward function, memory, model,
+        learner, engine) runs before the run folder is made; if what follows fails before step 0 (restore,
+        config.yaml, metrics writer), a folder this call created is removed again (`_make_run_folder`)."""
+        # Path-valued options absolute, against the directory the run starts from (run_paths.py): the run
+        # folder's config.yaml then works from any working directory.
+        cfg = resolve_paths(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.on_step = on_step
-        self.hooks = default_hooks(cfg)  # eval, reward stats, non-finite guard, checkpoint (rl/hooks.py)
+        self.process_count = jax.process_count()
+        self.is_primary = jax.process_index() == 0
+        self._check_run_folder(resume)
         t = cfg.trainer
-        # Tokenizer, data and model first: their errors name the cause before the run folder exists.
+        if t.sft_steps and cfg.data.synthetic is None:
+            raise ValueError(f"trainer.sft_steps={t.sft_steps} needs data.synthetic (warm-start traces are "
+                             f"generated): set trainer.sft_steps=0 to train on data.train_files")
+        check_paths_exist(cfg, used_paths(cfg))
+        self.scorer = build_scorer(cfg)  # imports reward.custom_fn: a bad one fails before anything is built
+        try:
+            self._build(length_oracle, max_memory_gb)
+            self._make_run_folder(resume)
+        except BaseException:
+            self.scorer.close()
+            raise
+
+    def _check_run_folder(self, resume: bool) -> None:
+        """Read-only checks of an existing run folder: a fresh run refuses one with checkpoints; --resume
+        refuses a config that changes the experiment."""
+        ckpt_dir = self.run_dir / "checkpoints"
+        # Committed steps only: a run killed while writing its first checkpoint leaves just orbax's tmp folder.
+        if not resume and ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+            raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
+                             f"or choose a new --run-dir (nothing is overwritten)")
+        if resume:
+            check_resume_config(self.run_dir / "config.yaml", self.cfg)
+
+    def _build(self, length_oracle, max_memory_gb: float | None) -> None:
+        """Tokenizer, data, model, memory check, learner, engine and rollout: nothing on disk yet."""
+        cfg, t, r = self.cfg, self.cfg.trainer, self.cfg.rollout
+        self.hooks = default_hooks(cfg)  # eval, reward stats, non-finite guard, checkpoint (rl/hooks.py)
         self.tokenizer = build_tokenizer(cfg)
         self.max_prompt_len = cfg.data.max_prompt_len or 1024
         self._build_data()
         model = build_model(cfg, self.tokenizer, seed=t.seed)
-        r = cfg.rollout
         positions = model.config.max_position_embeddings
         if self.max_prompt_len + r.global_max_len > positions:
             log.warning("data.max_prompt_len %d + rollout.global_max_len %d = %d tokens exceed the model's %d "
@@ -176,7 +242,6 @@ class Trainer:
         eval_len = cfg.eval.max_new_tokens or r.global_max_len
         max_len = self.max_prompt_len + max(r.global_max_len, eval_len)
         self._check_memory(model, slots, max_len, max_memory_gb)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.learner = Learner(model, learner_config(cfg), self.mesh)
         self.placement = decode_placement(r.decode_mesh, self.mesh, self.learner.params)
         log.info("rollout decodes on %s (rollout.decode_mesh=%s)",
@@ -186,11 +251,8 @@ class Trainer:
                                    sampling=rollout_cfg.sampling, mesh=self.placement.engine_mesh)
         self.rollout = make_segment_rollout(self.engine, rollout_cfg, rollout_backend=r.backend,
                                             length_oracle=length_oracle)
-        self.process_count = jax.process_count()
-        self.is_primary = jax.process_index() == 0
         if self.process_count > 1:  # each process decodes its share of the prompts; ended samples are gathered
             self.rollout = DistributedRollout(self.rollout)
-        self.scorer = build_scorer(cfg)
         self.step = 0
         self.policy_version = 0
         self.ready_groups: list[list[Sample]] = []  # kept by dynamic sampling, waiting for an update
@@ -200,31 +262,43 @@ class Trainer:
         self.consecutive_nonfinite = 0  # steps in a row whose every learner update was skipped (non-finite)
         self.nonfinite_updates_total = 0
         self.base_key = jax.random.PRNGKey(t.seed)
-        ckpt_dir = self.run_dir / "checkpoints"
-        # Committed steps only: a run killed while writing its first checkpoint leaves just orbax's tmp folder.
-        if not resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
-            raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume to continue that run, "
-                             f"or choose a new --run-dir (nothing is overwritten)")
-        self.checkpointer = TrainCheckpointer(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
-                                              async_save=cfg.checkpoint.async_save)
-        self.resumed = False  # True once a checkpoint was restored
-        if resume:
-            check_resume_config(self.run_dir / "config.yaml", cfg)
-            if self.checkpointer.latest_step() is None:  # killed before its first checkpoint: nothing to lose
-                log.warning("--resume: no committed checkpoint in %s (the run stopped before its first one); "
-                            "starting it from step 1", self.checkpointer.directory)
-            else:
-                self._restore()
-                self.resumed = True
-        self.writer = _NoMetrics()
-        if self.is_primary:
-            # Atomic: the other processes of a resumed run may be reading it (check_resume_config).
-            tmp = self.run_dir / "config.yaml.tmp"
-            tmp.write_text(config_to_yaml(cfg))
-            tmp.replace(self.run_dir / "config.yaml")
-            self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                                        wandb_project=cfg.logging.wandb_project,
-                                        resume_step=self.step + 1)  # drops lines no checkpoint covers
+
+    def _make_run_folder(self, resume: bool) -> None:
+        """The run folder, its checkpointer (restoring the latest checkpoint on --resume), config.yaml and the
+        metrics writer. A failure here removes the folder if this call created it (and it holds no
+        checkpoint): a run that never started leaves nothing on disk."""
+        cfg = self.cfg
+        created = _missing_folders(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpointer = None
+        try:
+            self.checkpointer = TrainCheckpointer(self.run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                                                  async_save=cfg.checkpoint.async_save)
+            self.resumed = False  # True once a checkpoint was restored
+            if resume:
+                if self.checkpointer.latest_step() is None:  # killed before its first checkpoint: nothing to lose
+                    log.warning("--resume: no committed checkpoint in %s (the run stopped before its first one); "
+                                "starting it from step 1", self.checkpointer.directory)
+                else:
+                    self._restore()
+                    self.resumed = True
+            self.writer = _NoMetrics()
+            if self.is_primary:
+                # Atomic: the other processes of a resumed run may be reading it (check_resume_config).
+                tmp = self.run_dir / "config.yaml.tmp"
+                tmp.write_text(config_to_yaml(cfg))
+                tmp.replace(self.run_dir / "config.yaml")
+                self.writer = MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                                            wandb_project=cfg.logging.wandb_project,
+                                            resume_step=self.step + 1)  # drops lines no checkpoint covers
+        except BaseException:
+            if self.checkpointer is not None:
+                try:
+                    self.checkpointer.close()
+                except Exception as err:  # the setup error is the one to report
+                    log.debug("closing the checkpointer after a failed setup: %s", err)
+            _remove_created(self.run_dir, created)
+            raise
 
     # -- data --------------------------------------------------------------------------
 
@@ -294,7 +368,7 @@ class Trainer:
                             shared_host=jax.default_backend() == "cpu")
         budget, where = memory_budget(max_memory_gb)
         check_train_memory(need, budget, where, slots=slots, max_len=max_len)
-        log.info("memory before activations: %.2f GiB of %.2f GiB (%s)", need.total / 2**30, budget / 2**30, where)
+        log.info("memory before activations: %s of %s (%s)", format_bytes(need.total), format_bytes(budget), where)
 
     # -- one RL step -------------------------------------------------------------------
 
