@@ -43,3 +43,17 @@ def test_convert_bad_source_is_a_clear_error(tmp_path, capsys):
     assert "model folder not found" in capsys.readouterr().err
     assert main(["convert", "ulorl-to-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "not a ulorl model folder" in capsys.readouterr().err
+
+
+def test_eval_help_names_every_data_format_and_what_out_overwrites(capsys):
+    """`ulorl eval --help`: --data takes jsonl, parquet and a datasets folder (data/readers.py); --out overwrites,
+    the default result names never do."""
+    from ulorl_jax.data.readers import FORMATS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert set(FORMATS) == {"jsonl", "parquet", "hf"}
+    assert ".jsonl" in text and ".parquet" in text and "datasets save_to_disk folder" in text
+    assert "both are overwritten if they exist" in text and "never overwritten" in text
+    assert "FILE.samples.jsonl" in text

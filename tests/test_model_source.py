@@ -104,7 +104,7 @@ def test_eval_on_a_run_folder_leaves_the_run_alone(run, tmp_path, capsys):
     assert f"run {run_dir} checkpoint 1" in out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["step"] == 1 and result["eval_samples"] == 3 * 2 and "eval_pass_at_2" in result
-    written = run_dir / "eval" / "step_1_bench_k2.json"
+    written = run_dir / "eval" / "step_1_bench.jsonl_k2.json"
     assert json.loads(written.read_text())["eval_accuracy"] == result["eval_accuracy"]
     assert {p.name: _digest(p) for p in run_dir.iterdir() if p.is_file()} == before
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(entries + ["eval"])
@@ -123,7 +123,7 @@ def test_eval_plan_caps_generation_and_refuses_what_does_not_fit():
     assert plan.kv_cache_bytes == evaluation.kv_cache_bytes(model, 4, 256)
     asked = evaluation.plan_eval(cfg, model, prompts, k=2, max_new_tokens=100, max_memory_gb=None)
     assert asked.max_new_tokens == 100 and not asked.notes
-    with pytest.raises(ValueError, match=r"KV cache needs .* GiB .* --max-memory allows 0\.00 GiB: lower "
+    with pytest.raises(ValueError, match=r"KV cache needs [\d.]+ KiB .* --max-memory allows 1\.05 KiB: lower "
                                          r"--max-new-tokens \(now 100\) or rollout.max_concurrent_decodes"):
         evaluation.plan_eval(cfg, model, prompts, k=2, max_new_tokens=100, max_memory_gb=1e-6)
     with pytest.raises(ValueError, match="the longest eval prompt has 300 tokens; the model has 256 positions"):

@@ -61,7 +61,7 @@ def test_readme_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
     metrics = [json.loads(r) for r in Path("runs/mine/metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]  # 2 steps, then --resume to 3
     assert "eval_pass_at_2" in metrics[1]  # eval_every 2
-    assert "checkpoint 3" in out and Path("runs/mine/eval/step_3_test_k2.json").is_file()
+    assert "checkpoint 3" in out and Path("runs/mine/eval/step_3_test.jsonl_k2.json").is_file()
     assert (Path("my-model-rl") / "tokenizer.json").is_file()
     samples = [json.loads(r) for r in Path("samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and all(s["tokens"] for s in samples)

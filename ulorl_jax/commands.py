@@ -1,7 +1,7 @@
 """`ulorl train`, `ulorl eval` and `ulorl demo`: the trainer from the command line.
 
     ulorl train --config FILE --run-dir DIR [--resume] [key=value ...]
-    ulorl eval  [--run-dir DIR [--step S] | --model DIR] [--config FILE] [--data FILE.jsonl] [--k K] [key=value ...]
+    ulorl eval  [--run-dir DIR [--step S] | --model DIR] [--config FILE] [--data FILE] [--k K] [key=value ...]
     ulorl demo  [--quick] [--run-dir DIR] [key=value ...]
 
 `ulorl demo` is `ulorl train --config tiny_cpu` with a supervised warm start,
@@ -60,6 +60,8 @@ def _train(args) -> int:
                          f"trained nothing yet: start it again with the config you first gave it")
     cfg = _load(args.config, args.overrides)
     trainer = Trainer(cfg, args.run_dir, resume=args.resume, max_memory_gb=args.max_memory)
+    if trainer.resumed and trainer.is_primary:
+        print(f"ulorl train: resumed from checkpoint {trainer.step} in {trainer.checkpointer.directory}")
     try:
         if cfg.trainer.sft_steps and not trainer.resumed:
             run_warm_start(trainer, cfg)
@@ -76,8 +78,12 @@ def _train(args) -> int:
         records = read_metrics(trainer.run_dir / "metrics.jsonl")
         trained = sum(int(r.get("trained_samples", 0)) for r in records)
         updated = sum(1 for r in records if r.get("trained_samples"))
-        print(f"ulorl train: {trainer.step} steps done; {trained} samples trained in {updated} of {len(records)} "
-              f"logged steps; run folder {args.run_dir}")
+
+        def count(n: int, noun: str) -> str:
+            return f"{n} {noun}" + ("" if n == 1 else "s")
+
+        print(f"ulorl train: {count(trainer.step, 'step')} done; {count(trained, 'sample')} trained in {updated} of "
+              f"{count(len(records), 'logged step')}; run folder {args.run_dir}")
         if records and not trained:
             print("warning: nothing was trained: every complete group had equal rewards (see reward_mean and "
                   "groups_dropped_* in metrics.jsonl); a policy that never (or always) earns the reward needs "
@@ -92,6 +98,7 @@ def _train(args) -> int:
 
 def _eval(args) -> int:
     from ulorl_jax import model_source
+    from ulorl_jax.memory import format_bytes
     from ulorl_jax.rl import evaluation
 
     _quiet_libraries()
@@ -124,26 +131,48 @@ def _eval(args) -> int:
     data_name = args.data or ", ".join(cfg.data.eval_files) or "the synthetic task's held-out split"
     print(f"evaluating {loaded.source.describe()} on {len(prompts)} prompts ({data_name}), k={plan.k}, "
           f"up to {plan.max_new_tokens} new tokens, {plan.slots} decode slots "
-          f"(KV cache {plan.kv_cache_bytes / 2**20:.1f} MiB)")
+          f"(KV cache {format_bytes(plan.kv_cache_bytes)})")
+    out = _eval_output_path(args, loaded.source, plan.k)  # a bad --out is refused before the work
     start = time.perf_counter()
-    result = evaluation.run_eval(cfg, loaded, prompts, plan)
+    result, samples = evaluation.run_eval(cfg, loaded, prompts, plan)
     result["seconds"] = time.perf_counter() - start
-    result |= {"model": loaded.source.describe(), "step": loaded.source.step, "data": data_name, "k": plan.k,
-               "max_new_tokens": plan.max_new_tokens}
+    result |= _eval_record(args, cfg, loaded.source, plan)
     print(f"avg@{plan.k} accuracy {result['eval_accuracy']:.4f} over {result['eval_samples']} samples; "
           f"mean length {result['eval_length_mean']:.1f}; truncated {result['eval_truncated_fraction']:.3f}")
     passes = [f"pass@{key.rsplit('_', 1)[1]} {value:.4f}" for key, value in result.items()
               if key.startswith("eval_pass_at_")]
     if passes:
         print("unbiased " + ", ".join(passes))
-    out = _eval_output_path(args, loaded.source)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"results: {out}")
+        written = _write_eval_files(out, result, samples, overwrite=bool(args.out))
+        print(f"results: {written}; samples: {result['samples_file']}")
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _eval_record(args, cfg, source, plan) -> dict:
+    """What a result of `ulorl eval` was computed from: the checkpoint, the data, the generation and sampling
+    settings, the whole reward section and the overrides."""
+    import dataclasses
+
+    from ulorl_jax.config import config_to_dict
+    from ulorl_jax.rl.build import eval_sampling_params
+    from ulorl_jax.rl.evaluation import eval_seed
+
+    if args.data or cfg.data.eval_files:
+        given = [args.data] if args.data else list(cfg.data.eval_files)
+        data = {"files": given, "resolved": [str(Path(f).resolve()) for f in given],
+                "from": "--data" if args.data else "data.eval_files"}
+    else:
+        data = {"synthetic": config_to_dict(cfg)["data"]["synthetic"], "from": "data.synthetic (held-out split)"}
+    return {"model": source.describe(), "step": source.step,
+            "checkpoint": {"kind": source.kind, "path": str(source.path), "resolved": str(Path(source.path).resolve()),
+                           "step": source.step},
+            "data": data, "k": plan.k, "max_new_tokens": plan.max_new_tokens, "max_prompt_len": plan.max_prompt_len,
+            "decode_slots": plan.slots, "seed": eval_seed(cfg),
+            "sampling": dataclasses.asdict(eval_sampling_params(cfg)), "reward": config_to_dict(cfg)["reward"],
+            "config": args.config, "overrides": list(args.overrides)}
 
 
 def _config_model(cfg):
@@ -171,17 +200,54 @@ def _eval_prompts(cfg, data: str | None, tokenizer) -> list:
     if cfg.data.synthetic is not None:
         task = SyntheticTask.from_options(cfg.data.synthetic)
         return eval_prompts(task.eval, tokenizer, cfg.data.apply_chat_template)
-    raise ValueError("nothing to evaluate: give --data FILE.jsonl or data.eval_files (or data.synthetic)")
+    raise ValueError("nothing to evaluate: give --data FILE (jsonl, parquet or a datasets folder) or "
+                     "data.eval_files (or data.synthetic)")
 
 
-def _eval_output_path(args, source) -> Path | None:
-    """--out, else RUN/eval/step_<S>_<data>_k<K>.json for a run (the run's own files are left alone)."""
+def _eval_output_path(args, source, k: int) -> Path | None:
+    """--out (overwritten if it exists), else for a run RUN/eval/step_<S>_<DATA>_k<K>.json where DATA is the
+    --data file's (or folder's) name with its suffix, or "eval" for the config's held-out set; when that name is
+    taken, the first free of step_<S>_<DATA>_k<K>-2.json, -3, ... (`_write_eval_files` claims it). The run's
+    own files are left alone. None: nothing to write (a model folder without --out)."""
     if args.out:
-        return Path(args.out)
+        out = Path(args.out)
+        if out.is_dir():
+            raise ValueError(f"--out {out} is a folder: give a file name such as {out / 'eval.json'}")
+        return out
     if source.kind != "run":
         return None
-    data = Path(args.data).stem if args.data else "eval"
-    return source.path / "eval" / f"step_{source.step}_{data}_k{args.k or 'cfg'}.json"
+    data = Path(args.data).name if args.data else "eval"
+    return source.path / "eval" / f"step_{source.step}_{data}_k{k}.json"
+
+
+def _samples_path(out: Path) -> Path:
+    """The per-sample jsonl written beside a results file: X.json -> X.samples.jsonl."""
+    return out.with_name(out.name.removesuffix(".json") + ".samples.jsonl")
+
+
+def _write_eval_files(out: Path, result: dict, samples: list[dict], *, overwrite: bool) -> Path:
+    """Write `result` to `out` and `samples` (one JSON line each) beside it (`_samples_path`). Without
+    `overwrite`, an existing name is never replaced: out-2.json, out-3.json, ... (the first pair of free names,
+    taken with an exclusive create) is used instead, and `result` names the files actually written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.name.removesuffix(".json")
+    for n in range(1, 1_000_000):
+        path = out if n == 1 else out.with_name(f"{stem}-{n}.json")
+        if overwrite:
+            break
+        if _samples_path(path).exists():
+            continue
+        try:
+            path.open("x").close()  # claim the name; a concurrent `ulorl eval` takes the next one
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise ValueError(f"{out.parent}: no free result file name after {stem}-999999.json")
+    result["results_file"], result["samples_file"] = str(path), str(_samples_path(path))
+    _samples_path(path).write_text("".join(json.dumps(r) + "\n" for r in samples))
+    path.write_text(json.dumps(result, indent=2))
+    return path
 
 
 # ---------------------------------------------------------------------------
@@ -225,12 +291,19 @@ def add_parsers(sub) -> None:
     train.set_defaults(func=_train)
 
     ev = sub.add_parser(
-        "eval", help="avg@k and pass@k accuracy on a jsonl benchmark (eval sampling: T 0.85, top-k 20, top-p 0.95)",
+        "eval", help="avg@k and pass@k accuracy on a benchmark: jsonl, parquet or a datasets folder (eval sampling: "
+                     "T 0.85, top-k 20, top-p 0.95)",
         description="Samples k answers per prompt with the eval sampling settings (eval.*) and reports avg@k "
                     "accuracy, the unbiased pass@k (k = 1, 2, 4, 8 up to --k), mean response length and "
                     "truncation rate. Weights: a checkpoint of --run-dir (default latest, named in the output), "
                     "or --model (HF or ulorl folder, run folder, checkpoint), or the config's model. Nothing in "
-                    "the run folder is changed; results go to RUN/eval/ (or --out).")
+                    "the run folder is changed. With a run (or --out), the results go to a JSON file that records "
+                    "the checkpoint, the data, k, the generation length, the sampling and reward settings and the "
+                    "overrides, and every sample (prompt_index, sample_index, text, tokens, answer, reward, "
+                    "finish_reason) goes to a jsonl beside it (X.json -> X.samples.jsonl). Default file: "
+                    "RUN/eval/step_S_DATA_kK.json, DATA the --data file's name with its suffix (\"eval\" for the "
+                    "config's held-out set); an existing result is never replaced: the next free name "
+                    "step_S_DATA_kK-2.json, -3, ... is used.")
     ev.add_argument("--config", default=None,
                     help="YAML file or shipped config name (default: the run's config.yaml with --run-dir, "
                          "else schema defaults)")
@@ -238,9 +311,11 @@ def add_parsers(sub) -> None:
     ev.add_argument("--step", type=int, default=None, help="the checkpoint step of --run-dir (default: latest)")
     ev.add_argument("--model", default=None,
                     help="HF or ulorl model folder, a run folder or RUN/checkpoints/STEP")
-    ev.add_argument("--data", default=None,
-                    help="jsonl with `prompt` and `answer` fields (data.prompt_key / data.answer_key); default: "
-                         "data.eval_files, else the synthetic task's held-out split")
+    ev.add_argument("--data", default=None, metavar="FILE",
+                    help="the benchmark: a .jsonl (or .json lines) file, a .parquet file or a Hugging Face datasets "
+                         "save_to_disk folder, with `prompt` and `answer` fields (data.prompt_key / "
+                         "data.answer_key, or data.eval_prompt_key / eval_answer_key); default: data.eval_files, "
+                         "else the synthetic task's held-out split")
     ev.add_argument("--k", type=int, default=None, help="samples per prompt (default eval.k)")
     ev.add_argument("--max-new-tokens", type=int, default=None,
                     help="generation length (default eval.max_new_tokens, else rollout.global_max_len, capped to "
@@ -248,8 +323,10 @@ def add_parsers(sub) -> None:
     ev.add_argument("--max-memory", type=float, default=None, metavar="GB",
                     help="refuse to start when the decode KV cache needs more (default: the device's free "
                          "memory, or 80%% of host RAM on CPU)")
-    ev.add_argument("--out", default=None,
-                    help="write the results here as JSON (default with a run: RUN/eval/step_S_DATA_kK.json)")
+    ev.add_argument("--out", default=None, metavar="FILE.json",
+                    help="write the results here as JSON and the samples beside it (FILE.samples.jsonl); both are "
+                         "overwritten if they exist (default with a run: RUN/eval/step_S_DATA_kK.json, never "
+                         "overwritten: -2, -3, ... when taken; with a model folder: no files)")
     ev.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     ev.set_defaults(func=_eval)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ulorl_jax.decode.engine import PolicyEngine
 from ulorl_jax.decode.sampling import SamplingParams
-from ulorl_jax.memory import kv_cache_bytes, memory_budget
+from ulorl_jax.memory import format_bytes, kv_cache_bytes, memory_budget
 from ulorl_jax.rewards.scorer import RewardScorer
 from ulorl_jax.rl.packing import TrainSample
 from ulorl_jax.rl.pass_at_k import grouped_pass_at_k
@@ -51,12 +51,26 @@ def evaluate(engine: PolicyEngine, params, prompts, scorer: RewardScorer, *, k: 
     1, 2, 4, 8 up to k ("eval_pass_at_K", `rl/pass_at_k.py`), mean length, truncation rate;
     with `entropy_fn` (e.g. `Learner.mean_entropy`) also the policy's mean token entropy on its own
     held-out samples ("eval_entropy": fixed prompts, so it tracks the policy rather than the batch mix)."""
+    ended = sample_and_score(engine, params, prompts, scorer, k=k, max_new_tokens=max_new_tokens,
+                             max_prompt_len=max_prompt_len, sampling=sampling, tokenizer=tokenizer, seed=seed)
+    return eval_metrics(ended, entropy_fn)
+
+
+def sample_and_score(engine: PolicyEngine, params, prompts, scorer: RewardScorer, *, k: int, max_new_tokens: int,
+                     max_prompt_len: int, sampling: SamplingParams, tokenizer, seed: int) -> list[Sample]:
+    """k samples of every prompt, ended (eos or max_new_tokens) and scored: metadata["reward"] holds each reward."""
     rollout = SegmentRollout(engine, RolloutConfig(global_max_len=max_new_tokens, num_segments=1,
                                                    samples_per_prompt=k, max_prompt_len=max_prompt_len,
                                                    eos_token_ids=engine.eos_token_ids, sampling=sampling))
     report = rollout.step(params, prompts, policy_version=-1, rng=jax.random.PRNGKey(seed))
-    ended = report.ended
-    rewards = score_samples(ended, scorer, tokenizer)
+    score_samples(report.ended, scorer, tokenizer)
+    return report.ended
+
+
+def eval_metrics(ended: list[Sample], entropy_fn: Callable[[list[TrainSample]], float] | None = None
+                 ) -> dict[str, float]:
+    """`evaluate`'s metrics of scored samples (metadata["reward"], see `sample_and_score`)."""
+    rewards = [s.metadata["reward"] for s in ended]
     lengths = [len(s.response_ids) for s in ended]
     by_problem: dict[int, list[float]] = {}
     for s, r in zip(ended, rewards):
@@ -117,14 +131,30 @@ def plan_eval(cfg, model_config, prompts: list[PromptItem], *, k: int | None, ma
     budget, where = memory_budget(max_memory_gb)
     if need > budget:
         raise ValueError(
-            f"the decode KV cache needs {need / 2**30:.2f} GiB ({slots} slots x {longest + asked} positions) but "
-            f"{where} allows {budget / 2**30:.2f} GiB: lower --max-new-tokens (now {asked}) or "
+            f"the decode KV cache needs {format_bytes(need)} ({slots} slots x {longest + asked} positions) but "
+            f"{where} allows {format_bytes(budget)}: lower --max-new-tokens (now {asked}) or "
             f"rollout.max_concurrent_decodes (now {slots} slots), or raise --max-memory")
     return EvalPlan(k, asked, longest, slots, need, notes)
 
 
-def run_eval(cfg, loaded, prompts: list[PromptItem], plan: EvalPlan, *, seed: int | None = None) -> dict[str, Any]:
-    """Evaluate `loaded` (model_source.LoadedModel) on `prompts` as `plan` says; returns the eval metrics."""
+def sample_records(samples: list[Sample], tokenizer) -> list[dict[str, Any]]:
+    """One JSON-able record per scored sample, ordered by (prompt_index, sample_index): what `ulorl eval` writes
+    beside its results. prompt_index is the prompt's position in the eval set (a file's row order); source and
+    line (a file's prompts) say where the prompt came from."""
+    records = []
+    for s in sorted(samples, key=lambda s: (s.prompt_index, s.sample_index)):
+        records.append({"prompt_index": s.prompt_index, "sample_index": s.sample_index,
+                        "source": s.metadata.get("source"), "line": s.metadata.get("line"),
+                        "prompt": s.metadata.get("prompt"), "answer": s.metadata.get("answer"),
+                        "text": response_text(s, tokenizer), "tokens": [int(t) for t in s.response_ids],
+                        "finish_reason": s.finish_reason, "reward": s.metadata["reward"]})
+    return records
+
+
+def run_eval(cfg, loaded, prompts: list[PromptItem], plan: EvalPlan, *, seed: int | None = None
+             ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Evaluate `loaded` (model_source.LoadedModel) on `prompts` as `plan` says: (the eval metrics, one record per
+    sample (`sample_records`))."""
     from ulorl_jax.rl.build import build_engine, build_scorer, eval_sampling_params
 
     sampling = eval_sampling_params(cfg)
@@ -132,8 +162,14 @@ def run_eval(cfg, loaded, prompts: list[PromptItem], plan: EvalPlan, *, seed: in
                           max_len=plan.max_prompt_len + plan.max_new_tokens, sampling=sampling)
     scorer = build_scorer(cfg)
     try:
-        return evaluate(engine, engine.load_params(), prompts, scorer, k=plan.k, max_new_tokens=plan.max_new_tokens,
-                        max_prompt_len=plan.max_prompt_len, sampling=sampling, tokenizer=loaded.tokenizer,
-                        seed=cfg.trainer.seed + 1 if seed is None else seed)
+        ended = sample_and_score(engine, engine.load_params(), prompts, scorer, k=plan.k,
+                                 max_new_tokens=plan.max_new_tokens, max_prompt_len=plan.max_prompt_len,
+                                 sampling=sampling, tokenizer=loaded.tokenizer, seed=eval_seed(cfg, seed))
     finally:
         scorer.close()
+    return eval_metrics(ended), sample_records(ended, loaded.tokenizer)
+
+
+def eval_seed(cfg, seed: int | None = None) -> int:
+    """The sampling seed of `ulorl eval`: `seed`, else trainer.seed + 1 (the trainer's held-out eval uses the same)."""
+    return cfg.trainer.seed + 1 if seed is None else seed
