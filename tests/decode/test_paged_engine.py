@@ -73,6 +73,57 @@ def test_swap_preemption_equals_enough_pages(model, sampling, monkeypatch):
         assert c.stop == a.stop
 
 
+def paged(model, sampling, **kw):
+    return PolicyEngine(model, max_prefill_length=16, max_cache_len=64, sampling=sampling,
+                        max_concurrent_decodes=8, kv_cache="paged", page_size=4, **kw)
+
+
+def record_prefill_rows(engine) -> list[list[int]]:
+    """Every row the engine's batched prefill is handed, in order (an instance attribute over the method)."""
+    rows = []
+    prefill_many = engine._prefill_many
+
+    def recording(params, state, prompts, *args, **kw):
+        rows.extend(np.asarray(p).tolist() for p in prompts)
+        return prefill_many(params, state, prompts, *args, **kw)
+
+    engine._prefill_many = recording
+    return rows
+
+
+def test_recompute_preemption_prefills_again_and_equals_a_roomy_pool(model):
+    """Sampled (greedy: test_paged_engine.py): a preempted sample must take its RNG key along to its second
+    prefill for its tokens to equal the roomy pool's."""
+    sampling = SamplingParams(temperature=1.0)
+    reqs = requests()
+    roomy = paged(model, sampling)  # the dense cache's memory: 8 slots x 64 positions / 4
+    roomy_rows = record_prefill_rows(roomy)
+    want, none = roomy.run(roomy.load_params(), reqs, steps_per_call=1)
+    tiny = paged(model, sampling, num_pages=14, preemption="recompute")
+    tiny_rows = record_prefill_rows(tiny)
+    got, stats = tiny.run(tiny.load_params(), reqs, steps_per_call=1)
+
+    assert none.preemptions == 0 and none.prefills == len(reqs) and len(roomy_rows) == len(reqs)
+    assert stats.preemptions > 0 and stats.peak_pages <= 14
+    # every preempted sample is prefilled once more: RunStats counts it ...
+    assert stats.prefills - len(reqs) == stats.preemptions
+    assert stats.prefill_tokens > none.prefill_tokens
+    # ... and so do the rows handed to the prefill: each re-prefill row is a prompt followed by that
+    # request's first tokens (all it had generated but the last)
+    prompts = [r.prompt_ids for r in reqs]
+    again = [row for row in tiny_rows if row not in prompts]
+    assert len(tiny_rows) == len(reqs) + stats.preemptions and len(again) == stats.preemptions
+    for row in again:
+        owners = [i for i, p in enumerate(prompts) if row[:len(p)] == p and len(row) > len(p)
+                  and row[len(p):] == want[i].tokens[:len(row) - len(p)]]
+        assert owners, f"re-prefill row {row} is no request's prompt + tokens so far"
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert b.tokens == a.tokens, f"request {i}"
+        assert b.stop == a.stop
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4, err_msg=f"request {i}")
+        np.testing.assert_allclose(b.sampling_logprobs, a.sampling_logprobs, atol=1e-4, err_msg=f"request {i}")
+
+
 def test_swap_out_and_in_moves_a_slot_to_other_pages(model):
     """swap_out then swap_in into different pages of the pool: the decode state's row and the K/V at the
     slot's cached positions are restored exactly, and the next decode call gives the same tokens."""
