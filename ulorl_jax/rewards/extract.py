@@ -21,6 +21,11 @@ _TOKEN = re.compile(r" +([^\s$]+)")  # `\boxed 5`: one token after spaces
 _SPACE = re.compile(r"\s*")
 
 
+def count_boxes(text: str) -> int:
+    """How many `\\boxed` / `\\fbox` commands `text` holds (complete or not)."""
+    return len(_BOX_START.findall(text))
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last complete `\\boxed{...}` / `\\fbox{...}` in `text`.
 

@@ -22,7 +22,7 @@ from ulorl_jax.rewards.equivalence import (
     math_verify_response_equivalence,
     quick_equivalence,
 )
-from ulorl_jax.rewards.extract import _BOX_START, extract_answer, last_boxed
+from ulorl_jax.rewards.extract import count_boxes, extract_answer, last_boxed
 
 
 def reference_answer(reference: str) -> str:
@@ -31,7 +31,7 @@ def reference_answer(reference: str) -> str:
     as one set, and otherwise the last one); else the reference itself."""
     if "\\boxed" not in reference and "\\fbox" not in reference:
         return reference.strip()
-    if len(_BOX_START.findall(reference)) > 1:
+    if count_boxes(reference) > 1:
         return reference.strip()
     boxed = last_boxed(reference)
     return (boxed if boxed is not None else reference).strip()
