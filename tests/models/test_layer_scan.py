@@ -49,7 +49,9 @@ def test_scanned_gradients_equal_unrolled():
         model = init_model(tiny_config(model_type, **arch), seed=2)
         loss_ref, grads_ref = _loss_and_grads(model, scan=False)
         loss, grads = _loss_and_grads(model, scan=True)
-        np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+        # the loss sums 768 sin terms of O(1) to about -1.5: float32 summation order (jax 0.12's scan vs the
+        # unrolled layers) moves it by up to ~1e-5 absolute, far below any real mismatch
+        np.testing.assert_allclose(loss, loss_ref, rtol=1e-6, atol=2e-5)
         # grads are O(100) here (sum of sin over all hidden units): atol 1e-4 is 1e-6 of their scale
         assert_trees_close(grads, grads_ref, 1e-5, 1e-4, f"{model_type} scanned grads")
 
