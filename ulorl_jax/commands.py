@@ -160,18 +160,19 @@ def _eval_record(args, cfg, source, plan) -> dict:
     from ulorl_jax.rl.build import eval_sampling_params
     from ulorl_jax.rl.evaluation import eval_seed
 
+    as_dict = config_to_dict(cfg)
     if args.data or cfg.data.eval_files:
         given = [args.data] if args.data else list(cfg.data.eval_files)
         data = {"files": given, "resolved": [str(Path(f).resolve()) for f in given],
                 "from": "--data" if args.data else "data.eval_files"}
     else:
-        data = {"synthetic": config_to_dict(cfg)["data"]["synthetic"], "from": "data.synthetic (held-out split)"}
+        data = {"synthetic": as_dict["data"]["synthetic"], "from": "data.synthetic (held-out split)"}
     return {"model": source.describe(), "step": source.step,
             "checkpoint": {"kind": source.kind, "path": str(source.path), "resolved": str(Path(source.path).resolve()),
                            "step": source.step},
             "data": data, "k": plan.k, "max_new_tokens": plan.max_new_tokens, "max_prompt_len": plan.max_prompt_len,
             "decode_slots": plan.slots, "seed": eval_seed(cfg),
-            "sampling": dataclasses.asdict(eval_sampling_params(cfg)), "reward": config_to_dict(cfg)["reward"],
+            "sampling": dataclasses.asdict(eval_sampling_params(cfg)), "reward": as_dict["reward"],
             "config": args.config, "overrides": list(args.overrides)}
 
 
