@@ -214,5 +214,5 @@ def test_missing_jetstream_is_a_clear_error(monkeypatch, capsys, tmp_path):
     with pytest.raises(jb.JetStreamUnavailable, match="jetstream-pt"):
         make_segment_rollout(None, None, rollout_backend="jetstream")
     (tmp_path / "config.json").write_text("{}")  # a model folder as far as `serve`'s option check goes
-    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert main(["serve", "--api", "jetstream", "--model", str(tmp_path)]) == 2
     assert "pip install" in capsys.readouterr().err

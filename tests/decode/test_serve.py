@@ -5,11 +5,6 @@ Bounded: a fixed number of requests, the server stops itself (--max-requests, wi
 """
 
 import os
-import queue
-import subprocess
-import sys
-import threading
-import time
 from concurrent import futures
 
 import jax
@@ -59,30 +54,19 @@ def reference_greedy(fwd, prompt, n):
 
 
 def _start(model_dir, n_requests):
-    cmd = [sys.executable, "-m", "ulorl_jax.cli", "serve", "--model", str(model_dir), "--port", "0",
-           "--max-concurrent-decodes", "2", "--max-prefill-length", str(MAX_PREFILL), "--max-cache-len", str(CACHE),
-           "--temperature", "0", "--top-k", "0", "--top-p", "1", "--eos-token-id", str(EOS),
-           "--max-requests", str(n_requests), "--shutdown-after", "300"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    return proc, lines
+    from ulorl_jax.bench.serve import launch
+
+    return launch(["serve", "--api", "jetstream", "--model", str(model_dir), "--port", "0",
+                   "--max-concurrent-decodes", "2", "--max-prefill-length", str(MAX_PREFILL), "--max-cache-len",
+                   str(CACHE), "--temperature", "0", "--top-k", "0", "--top-p", "1", "--eos-token-id", str(EOS),
+                   "--max-requests", str(n_requests), "--shutdown-after", "300"],
+                  env=dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3"))
 
 
 def _wait_for(lines, proc, needle, timeout):
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        seen.append(line)
-        if needle in line:
-            return line, seen
-    raise AssertionError(f"no {needle!r} from `ulorl serve` within {timeout}s; output:\n" + "".join(seen[-40:]))
+    from ulorl_jax.bench.serve import wait_for_line
+
+    return wait_for_line(lines, proc, needle, timeout)
 
 
 @needs_jetstream

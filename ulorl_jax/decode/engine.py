@@ -40,7 +40,8 @@ import dataclasses
 import math
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,7 @@ class ResultTokens:
         if not isinstance(self.data, np.ndarray):
             self.data.copy_to_host_async()
 
-    def convert_to_numpy(self) -> "ResultTokens":
+    def convert_to_numpy(self) -> ResultTokens:
         return ResultTokens(np.array(self.data), self.tokens_idx, self.valid_idx, self.length_idx,
                             self.samples_per_slot)
 
@@ -917,7 +918,9 @@ class PolicyEngine:
 
     def run(self, params: Any, requests: Sequence[Request], *, sampling: SamplingParams | None = None,
             stop_sequences: Sequence[Sequence[int]] = (), steps_per_call: int = 8,
-            on_tokens: Callable[[int], None] | None = None) -> tuple[list[Completion], RunStats]:
+            on_tokens: Callable[[int], None] | None = None,
+            feed: Callable[[bool], Sequence[Request] | None] | None = None,
+            on_update: Callable[[int, Completion], bool] | None = None) -> tuple[list[Completion], RunStats]:
         """Continuous batching: decode every request, refilling a slot as soon as it frees.
 
         Free slots are refilled together by `prefill_many` (batched, one prefill row per distinct
@@ -931,7 +934,15 @@ class PolicyEngine:
         and they wait at the head of the queue to be prefilled again with their tokens so far, and then
         go on with their own RNG key (`Resume`), so their tokens equal a run with enough pages. With
         `preemption="swap"` their cached pages go to host memory instead and come back into fresh pages
-        when they are readmitted (`swap_out` / `swap_in`): the same K/V, and no second prefill."""
+        when they are readmitted (`swap_out` / `swap_in`): the same K/V, and no second prefill.
+
+        Serving (`serving/driver.py`) keeps one run open while clients come and go: `feed(idle)` is called
+        before each admission round and returns more requests (numbered after `requests`, in the order
+        fed; check them first with `check_request`, a bad one raises here), or None once none will come
+        (the run then ends when the rest are done); `idle` says nothing is queued or decoding, so `feed`
+        may wait. `on_update(i, completion)` is called whenever request i got tokens or ended
+        (`completion.stop` set); answering False ends it at once (stop "cancelled"), freeing its slot and
+        pages (a client gone, a stop string seen on the host)."""
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         sampling = sampling or self.sampling
@@ -942,6 +953,7 @@ class PolicyEngine:
             budgets.append(self._check_budget(len(prompts[-1]), r.max_new_tokens))
         keys = [_host_key(r.key) for r in requests]
         pool = self._page_pool(prompts, budgets) if self.paged else None
+        feeding = feed is not None
         # One slots-per-row width (same shapes every call): `prefill_fanout`, or the largest group of equal
         # prompts so far, capped by the slots (never narrower than an earlier run's: a new width would
         # compile every prefill shape again).
@@ -996,7 +1008,36 @@ class PolicyEngine:
             stats.preemptions += 1
             return self.free_slot(state, slot), slot
 
-        while pending or any(r is not None for r in slot_req):
+        def take_fed(idle: bool) -> bool:
+            """Requests from `feed` queued behind the others; False once it has closed."""
+            fed = feed(idle)
+            if fed is None:
+                return False
+            for r in fed:
+                i = len(prompts)
+                ids, budget = self.check_request(r.prompt_ids, r.max_new_tokens, what=f"request {i} prompt")
+                prompts.append(ids)
+                rows.append(ids)
+                budgets.append(budget)
+                keys.append(_host_key(r.key))
+                resume.append(None)
+                out.append(None)
+                pending.append(i)
+            return True
+
+        def report(slot, i, state):
+            """`on_update` for request i (still in `slot`, or finished): a False answer ends it now."""
+            if on_update is None or on_update(i, out[i]) or out[i].stop:
+                return state
+            state = self.free_slot(state, slot)
+            finish(slot, "cancelled")
+            return state
+
+        while pending or any(r is not None for r in slot_req) or feeding:
+            if feeding:
+                feeding = take_fed(not pending and all(r is None for r in slot_req))
+                if not pending and all(r is None for r in slot_req):
+                    continue  # nothing to admit or decode (yet)
             if pool:  # pages for the next decode call of every sample in flight, earliest admitted first
                 for slot in sorted((s for s in range(self._slots) if slot_req[s] is not None),
                                    key=lambda s: admitted[s]):
@@ -1053,6 +1094,7 @@ class PolicyEngine:
                     elif _ends_with_stop(out[i].tokens, stops):
                         state = self.free_slot(state, slot)
                         finish(slot, "stop")
+                    state = report(slot, i, state)
                 stats.tokens_decoded += fresh
                 if on_tokens and fresh:
                     on_tokens(fresh)
@@ -1098,6 +1140,8 @@ class PolicyEngine:
                     finish(slot, "stop")
                 elif done[slot]:
                     finish(slot, "eos" if c.tokens[-1] in self.eos_token_ids else "budget")
+                if n or c.stop:
+                    state = report(slot, i, state)
             stats.tokens_decoded += new_tokens
             if on_tokens and new_tokens:
                 on_tokens(new_tokens)
@@ -1106,12 +1150,24 @@ class PolicyEngine:
     def _page_pool(self, prompts: list[np.ndarray], budgets: list[int]) -> PagePool:
         """A fresh pool for `run`; refuses, before any work, a request that could never fit in it alone."""
         for i, (ids, budget) in enumerate(zip(prompts, budgets)):
-            need = pages_for(ids.size + budget - 1, self.page_size)
-            if need > self.num_pages:
-                raise ValueError(f"request {i}: a prompt of {ids.size} tokens + max_new_tokens={budget} needs "
-                                 f"{need} KV pages of {self.page_size} positions, more than the pool's "
-                                 f"num_pages={self.num_pages}; give the engine more pages or ask for fewer tokens")
+            self._check_pages(ids.size, budget, f"request {i}")
         return PagePool(self.num_pages, self.page_size, self._slots, self.max_pages_per_slot)
+
+    def _check_pages(self, length: int, budget: int, what: str) -> None:
+        need = pages_for(length + budget - 1, self.page_size)
+        if self.paged and need > self.num_pages:
+            raise ValueError(f"{what}: a prompt of {length} tokens + max_new_tokens={budget} needs "
+                             f"{need} KV pages of {self.page_size} positions, more than the pool's "
+                             f"num_pages={self.num_pages}; give the engine more pages or ask for fewer tokens")
+
+    def check_request(self, prompt_ids: Sequence[int], max_new_tokens: int | None,
+                      what: str = "prompt") -> tuple[np.ndarray, int]:
+        """(prompt ids as int32, token budget) of a request `run` accepts; a ValueError says why not (a
+        prompt empty, too long or with unknown ids; max_new_tokens out of range; more KV pages than the pool)."""
+        ids = self.check_prompt(prompt_ids, what=what)
+        budget = self._check_budget(ids.size, max_new_tokens)
+        self._check_pages(ids.size, budget, what)
+        return ids, budget
 
     def _with_page_table(self, state: DecodeState, table: np.ndarray) -> DecodeState:
         """The state with this call's page table, placed exactly as the table it replaces (an equal layout

@@ -1,6 +1,11 @@
-"""`ulorl serve`: JetStream's orchestrator and gRPC service running our PolicyEngine.
+"""`ulorl serve`: the OpenAI HTTP API (default), or with `--api jetstream` JetStream's gRPC service.
 
-Needs the `jetstream` extra (pip install -e '.[jetstream]'). Clients use
+The OpenAI-compatible server (`ulorl_jax/serving/`, README "Serving") speaks /v1/completions,
+/v1/chat/completions, /v1/models, /tokenize, /detokenize and /health on http://127.0.0.1:8000
+(--host / --port), every client decoded together by the engine's continuous batching.
+
+`--api jetstream`: JetStream's orchestrator and gRPC service running our PolicyEngine
+(JetStream's repository is read-only since 2026-02-01; kept as an option). Needs the `jetstream` extra (pip install -e '.[jetstream]'). Clients use
 JetStream's own proto (`jetstream.core.proto.jetstream_pb2_grpc.OrchestratorStub`):
 `Decode` streams tokens for a `DecodeRequest` (token_content, or text_content when
 the model folder has a tokenizer; `max_tokens` >= 1), `HealthCheck` says whether the
@@ -26,26 +31,45 @@ from typing import Any
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "serve", help="serve a model over gRPC with JetStream's orchestrator (extra: jetstream)",
+        "serve", help="serve a model over the OpenAI HTTP API (or JetStream's gRPC: --api jetstream)",
         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF folder (config.json + safetensors) or ulorl folder")
+    p.add_argument("--model", required=True,
+                   help="HF folder (config.json + safetensors), ulorl folder, run folder or RUN/checkpoints/STEP")
+    p.add_argument("--api", choices=["openai", "jetstream"], default="openai",
+                   help="openai: the OpenAI HTTP API (default); jetstream: JetStream's gRPC (extra: jetstream)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=9000, help="gRPC port; 0 = any free port (default 9000)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port; 0 = any free port (default 8000 for openai, 9000 for jetstream)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="openai: the model name clients send (default: --model as given)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="openai: require `Authorization: Bearer KEY` on every route but /health (default: none)")
+    p.add_argument("--kv-cache", choices=["dense", "paged"], default="paged",
+                   help="openai: KV cache layout (default paged)")
+    p.add_argument("--page-size", type=int, default=64, help="openai, paged: positions per KV page (default 64)")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="openai, paged: KV pages in the pool (default: slots x pages of a full context)")
+    p.add_argument("--steps-per-call", type=int, default=8, help="openai: decode steps per jitted call (default 8)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="openai: uvicorn's log level (default warning)")
     p.add_argument("--max-concurrent-decodes", type=int, default=8, help="decode slots (default 8)")
     p.add_argument("--max-prefill-length", type=int, default=1024, help="longest prompt in tokens (default 1024)")
     p.add_argument("--max-cache-len", type=int, default=2048,
                    help="KV cache per slot: prompt + generated tokens (default 2048)")
-    p.add_argument("--temperature", type=float, default=0.85, help="0 = greedy (default 0.85)")
-    p.add_argument("--top-k", type=int, default=20, help="0 = off (default 20, the eval setting)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1.0 = off (default 0.95, the eval setting)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--temperature", type=float, default=0.85,
+                   help="jetstream: 0 = greedy (default 0.85); openai requests set their own")
+    p.add_argument("--top-k", type=int, default=20, help="jetstream: 0 = off (default 20, the eval setting)")
+    p.add_argument("--top-p", type=float, default=0.95, help="jetstream: 1.0 = off (default 0.95, the eval setting)")
+    p.add_argument("--seed", type=int, default=0, help="jetstream: sampling seed (default 0)")
     p.add_argument("--eos-token-id", type=int, action="append", default=None,
                    help="EOS id (repeatable; default: from config.json / the tokenizer)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameter / compute dtype (default: float32 for HF folders, as stored for ulorl)")
-    p.add_argument("--threads", type=int, default=None, help="gRPC worker threads (default: max(slots, 16))")
+    p.add_argument("--threads", type=int, default=None,
+                   help="jetstream: gRPC worker threads (default: max(slots, 16))")
     p.add_argument("--max-requests", type=int, default=0,
-                   help="stop after answering this many Decode calls, errors included (default 0 = never)")
+                   help="stop after answering this many requests (Decode calls; openai: POSTs to /v1/), errors "
+                        "included (default 0 = never)")
     p.add_argument("--shutdown-after", type=float, default=0.0,
                    help="stop after this many seconds (default 0 = never)")
     p.set_defaults(func=run_cli)
@@ -59,7 +83,10 @@ class Server:
     def __init__(self, driver: Any, *, host: str, port: int, threads: int):
         import grpc
 
-        from ulorl_jax.decode.jetstream_backend import import_jetstream, jetstream_classes
+        from ulorl_jax.decode.jetstream_backend import (
+            import_jetstream,
+            jetstream_classes,
+        )
 
         js = import_jetstream()
         self.driver = driver
@@ -135,8 +162,19 @@ def _build_engine(args, source):
 
 
 def run_cli(args) -> int:
-    from ulorl_jax.decode.jetstream_backend import JetStreamUnavailable, import_jetstream, make_driver
+    if args.api == "openai":
+        from ulorl_jax.serving.server import run_openai
 
+        args.port = 8000 if args.port is None else args.port
+        _check_options(args)
+        return run_openai(args)
+    from ulorl_jax.decode.jetstream_backend import (
+        JetStreamUnavailable,
+        import_jetstream,
+        make_driver,
+    )
+
+    args.port = 9000 if args.port is None else args.port
     source = _check_options(args)
     try:
         import_jetstream()
