@@ -49,7 +49,7 @@ def _load(config: str | None, overrides: list[str]):
 def _train(args) -> int:
     from ulorl_jax.distributed import initialize_from_args
 
-    initialize_from_args(args)  # --coordinator/--num-processes/--process-id: before jax touches a device
+    initialize_from_args(args)  # --distributed, --coordinator, ... or a detected srun/mpirun: before jax runs
     from ulorl_jax.metrics import ProgressDisplay
     from ulorl_jax.rl.trainer import Trainer
     from ulorl_jax.warm_start import run_warm_start
@@ -261,7 +261,7 @@ def _demo(args) -> int:
 
     _quiet_libraries()
     overrides = (QUICK_OVERRIDES if args.quick else []) + list(args.overrides)
-    summary = run_demo(args.run_dir, overrides, quick=args.quick)
+    summary = run_demo(args.run_dir, overrides, quick=args.quick, config=args.config)
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -341,6 +341,9 @@ def add_parsers(sub) -> None:
                     "segment statistics, and writes plots to RUN_DIR/plots/.")
     demo.add_argument("--quick", action="store_true", help="a ~2.5 minute version (for CI and a first look)")
     demo.add_argument("--run-dir", default="runs/demo", help="run folder (default runs/demo)")
+    demo.add_argument("--config", default="tiny_cpu",
+                      help="the demo's config: tiny_cpu (UloRL, default) or a baseline on the same task: grpo_tiny_cpu, "
+                           "dapo_tiny_cpu, gspo_tiny_cpu, cispo_tiny_cpu (README \"Baselines\")")
     demo.add_argument("--json", action="store_true", help="print the summary as one JSON object as the last line")
     demo.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     demo.set_defaults(func=_demo)

@@ -40,10 +40,25 @@ from ulorl_jax.options import (  # every option's allowed values, once
 )
 
 __all__ = [
-    "ConfigError", "RunConfig", "ModelOptions", "MeshOptions", "DataOptions", "RolloutOptions",
-    "AlgorithmOptions", "OptimOptions", "TrainerOptions", "RewardOptions", "EvalOptions",
-    "CheckpointOptions", "LoggingOptions", "load_config", "config_to_yaml", "config_to_dict",
-    "shipped_configs", "CHOICES", "remat_policy",
+    "CHOICES",
+    "AlgorithmOptions",
+    "CheckpointOptions",
+    "ConfigError",
+    "DataOptions",
+    "EvalOptions",
+    "LoggingOptions",
+    "MeshOptions",
+    "ModelOptions",
+    "OptimOptions",
+    "RewardOptions",
+    "RolloutOptions",
+    "RunConfig",
+    "TrainerOptions",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+    "remat_policy",
+    "shipped_configs",
 ]
 
 # Runtime fields of ModelConfig that live in `model.*`, not in `model.arch`.
@@ -90,12 +105,17 @@ class MeshOptions:
     data: int = 1
     fsdp: int = -1
     expert: int = 1
+    # Context parallelism: each packed row's tokens split over this many devices (load-balanced causal
+    # layout, models/context_layout.py); parameters are split over it as over fsdp. For rows too long for
+    # one device's activations (64k-128k tokens); trainer.row_len must be a multiple of 2 x context.
+    context: int = 1
     tensor: int = 1
 
     def mesh_config(self):
         from ulorl_jax.sharding import MeshConfig
 
-        return MeshConfig(data=self.data, fsdp=self.fsdp, expert=self.expert, tensor=self.tensor)
+        return MeshConfig(data=self.data, fsdp=self.fsdp, expert=self.expert, context=self.context,
+                          tensor=self.tensor)
 
 
 @dataclasses.dataclass
@@ -154,6 +174,17 @@ class RolloutOptions:
 
 
 @dataclasses.dataclass
+class RolloutCorrectionOptions:
+    """verl's algorithm.rollout_correction (rl/rollout_correction.py): IS weights and rejection against the
+    train-inference mismatch, with POIS's π_old as the proximal policy; all off by default."""
+
+    rollout_is: str | None = None  # token | sequence | null (off)
+    rollout_is_threshold: Any = 2.0  # a float: truncate the weights there (TIS); "lo_hi": zero outside (IcePop)
+    rollout_rs: str | None = None  # rejection: comma-separated token_k1..3, seq_{sum,mean}_k1..3, seq_max_k2/k3
+    rollout_rs_threshold: Any = None  # one per option (or one for all); k1: "lo_hi" ratio bounds
+
+
+@dataclasses.dataclass
 class AlgorithmOptions:
     is_mode: str = "pois"  # importance sampling under segments (ULORL.md §2)
     mask_mode: str = "dmmpt"  # masking of well-mastered positive tokens (ULORL.md §3)
@@ -162,7 +193,14 @@ class AlgorithmOptions:
     entropy_mode: str = "sample"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    loss_agg_mode: str = "token-mean"  # Eq. 10
+    loss_agg_mode: str = "token-mean"  # Eq. 10; or any of verl's agg_loss modes
+    # verl's policy-loss family (rl/policy_losses.py): vanilla (PPO-clip, UloRL's), gspo, cispo, geo_mean, sapo
+    loss_mode: str = "vanilla"
+    clip_ratio_c: float | None = 3.0  # dual-clip bound for negative advantages (verl's default); null = off
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor; null = rollout.global_max_len
+    tau_pos: float = 1.0  # SAPO gate temperature, positive advantages
+    tau_neg: float = 1.05  # SAPO gate temperature, negative advantages
+    rollout_correction: RolloutCorrectionOptions = dataclasses.field(default_factory=RolloutCorrectionOptions)
     entropy_coeff: float = 0.0
     norm_adv_by_std: bool = True  # GRPO: divide by the group std
     dynamic_sampling: bool = True  # DAPO: drop all-0 / all-1 groups
@@ -212,6 +250,17 @@ class TrainerOptions:
 
 
 @dataclasses.dataclass
+class OverlongBufferOptions:
+    """DAPO's soft overlong punishment, verl's reward_model.overlong_buffer with its defaults (off); added to the
+    task reward for the advantages only (rl/reward_shaping.py says how it meets UloRL's truncated = 0 rule)."""
+
+    enable: bool = False
+    len: int = 0  # buffer tokens before rollout.global_max_len: the penalty grows linearly over them
+    penalty_factor: float = 0.0  # the penalty at rollout.global_max_len (DAPO: 1.0)
+    log: bool = False  # log overlong_reward_mean / overlong_fraction
+
+
+@dataclasses.dataclass
 class RewardOptions:
     kind: str = "rule"  # rule (math-verify) | verifier (generative judge) | custom (python function)
     answer_pattern: str | None = None  # regex whose group 1 is the final answer; null = last \boxed{...}
@@ -232,6 +281,7 @@ class RewardOptions:
     try_extract_without_anchor: bool = True  # false: only after "answer" / "final answer is" (or boxed)
     fallback_mode: str = "first_match"  # first_match (keep the first match's string too) | no_fallback
     extraction_mode: str = "any_match"  # any_match (try until one parses) | first_match
+    overlong_buffer: OverlongBufferOptions = dataclasses.field(default_factory=OverlongBufferOptions)
 
 
 @dataclasses.dataclass
@@ -292,6 +342,8 @@ def _schema(cls=RunConfig, prefix: str = "") -> dict[str, str]:
 
 SCHEMA: dict[str, str] = _schema()
 _SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+# Groups of options nested inside a section (algorithm.rollout_correction, reward.overlong_buffer)
+_SUBSECTIONS = tuple(sorted({key.rsplit(".", 1)[0] for key in SCHEMA if key.count(".") > 1}))
 # Options whose value is a free-form dict (model.arch, data.chat_template_kwargs, ...): keys below them are not
 # schema keys, and `option.key=value` overrides set one of their entries.
 _DICT_KEYS = tuple(key for key, kind in SCHEMA.items() if kind.startswith("dict"))
@@ -332,7 +384,7 @@ def _check_keys(tree: Any, where: str, prefix: str = "") -> None:
             if key in _DICT_KEYS:
                 _check_colon_keys(key, value, where)
             continue
-        if key in _SECTIONS:
+        if key in _SECTIONS or key in _SUBSECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"section {key!r}{where} must be a mapping of options, got {value!r}")
             _check_keys(value, where, key + ".")
@@ -570,7 +622,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"model.arch: {err}") from None
 
     mesh = cfg.mesh
-    sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "tensor")}
+    sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "context", "tensor")}
     for axis, size in sizes.items():
         _require(size >= 1 or size == -1, f"mesh.{axis}", size, "a positive size or -1 (the remaining devices)")
     fill = [a for a, s in sizes.items() if s == -1]
@@ -598,6 +650,17 @@ def validate(cfg: RunConfig) -> None:
     _require(r.num_segments >= 1, "rollout.num_segments", r.num_segments, ">= 1")
     _require(r.global_max_len % r.num_segments == 0, "rollout.num_segments", r.num_segments,
              f"a divisor of rollout.global_max_len={r.global_max_len}")
+    from ulorl_jax.rl.rollout_correction import (
+        check_rollout_correction,  # ulorl_jax.rl imports this module
+    )
+
+    rc = cfg.algorithm.rollout_correction
+    check_rollout_correction(rc.rollout_is, rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
+                             is_mode=cfg.algorithm.is_mode, loss_mode=cfg.algorithm.loss_mode)
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:  # DAPO: the buffer is the last `len` tokens before the max response length
+        _require(0 < ob.len <= r.global_max_len, "reward.overlong_buffer.len", ob.len,
+                 f"1 .. rollout.global_max_len={r.global_max_len} with reward.overlong_buffer.enable")
     _require(r.n >= 2, "rollout.n", r.n, ">= 2 samples per prompt (GRPO normalises within each group)")
     _require(r.top_k >= 0, "rollout.top_k", r.top_k, ">= 0 (0 = off)")
     _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a value in (0, 1]")
@@ -630,6 +693,10 @@ def validate(cfg: RunConfig) -> None:
         _require(t.row_len >= longest, "trainer.row_len", t.row_len,
                  f">= data.max_prompt_len + rollout.global_max_len = {longest} (one sample must fit a row), "
                  "or null")
+        if mesh.context > 1:
+            _require(t.row_len % (2 * mesh.context) == 0, "trainer.row_len", t.row_len,
+                     f"a multiple of 2 x mesh.context = {2 * mesh.context} (context parallelism cuts each row into "
+                     f"two chunks per context shard)")
 
     w = cfg.reward
     _require(w.timeout_s > 0, "reward.timeout_s", w.timeout_s, "> 0 seconds")

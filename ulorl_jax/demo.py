@@ -20,7 +20,8 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
 
 
-def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = False) -> dict:
+def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = False,
+             config: str = "tiny_cpu") -> dict:
     import jax
 
     from ulorl_jax.config import load_config
@@ -32,7 +33,7 @@ def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = 
 
     wall = time.perf_counter()
     run_dir = Path(run_dir) if run_dir else default_run_dir()
-    cfg = load_config("tiny_cpu", overrides)
+    cfg = load_config(config, overrides)  # tiny_cpu, or a baseline on its task (grpo_tiny_cpu, ...)
     trainer = Trainer(cfg, run_dir)
     a, r = cfg.algorithm, cfg.rollout
     params = sum(x.size for x in jax.tree.leaves(trainer.learner.params))
@@ -69,7 +70,7 @@ def run_demo(run_dir: str | Path | None, overrides: list[str], *, quick: bool = 
     written, _ = plot_run(run_dir)
     _print_summary(summary, run_dir, written)
     if quick:
-        _print_smoke_note(summary, load_config("tiny_cpu", []))
+        _print_smoke_note(summary, load_config(config, []))
     return summary
 
 

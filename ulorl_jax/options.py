@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ulorl_jax import choices
 from ulorl_jax.models.config import ATTENTION_IMPLS, MOE_IMPLS, ConfigError
@@ -32,6 +33,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.mask_mode": choices.MASK_MODES,
     "algorithm.entropy_mode": choices.ENTROPY_MODES,
     "algorithm.loss_agg_mode": choices.LOSS_AGG_MODES,
+    "algorithm.loss_mode": choices.POLICY_LOSS_MODES,  # verl: actor.policy_loss.loss_mode
     "trainer.remat": choices.REMAT,  # the YAML also takes true / false (config.remat_policy)
     "reward.kind": choices.REWARD_KINDS,
     "reward.extraction": choices.EXTRACTIONS,
@@ -71,6 +73,11 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algorithm.clip_ratio_high": _at_least(0),
     "algorithm.entropy_coeff": (_finite, "a finite number"),
     "algorithm.aux_loss_coef": _at_least(0),
+    # verl's names (actor.clip_ratio_c, actor.loss_scale_factor, actor.tau_pos / tau_neg)
+    "algorithm.clip_ratio_c": _optional(((lambda v: _finite(v) and v > 1), "> 1 (dual-clip)"), "null (off)"),
+    "algorithm.loss_scale_factor": _optional(_POSITIVE, "null (rollout.global_max_len)"),
+    "algorithm.tau_pos": _POSITIVE,
+    "algorithm.tau_neg": _POSITIVE,
     "optim.lr": _POSITIVE,
     "optim.warmup_steps": _at_least(0),
     "optim.weight_decay": _at_least(0),
@@ -97,6 +104,11 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
                                  f"a non-empty list of distinct targets from {list(choices.MV_EXTRACTION_TARGETS)}"),
     "reward.boxed_match_priority": _integer_at_least(-1, " (-1 = off)"),
     "reward.try_extract_without_anchor": _BOOL,
+    # DAPO's overlong buffer, verl's reward_model.overlong_buffer (rl/reward_shaping.py)
+    "reward.overlong_buffer.enable": _BOOL,
+    "reward.overlong_buffer.len": _integer_at_least(0, " (tokens)"),
+    "reward.overlong_buffer.penalty_factor": _at_least(0),
+    "reward.overlong_buffer.log": _BOOL,
 }
 
 

@@ -85,19 +85,26 @@ def test_learner_config_takes_every_option_from_the_run_config():
     changed = {"algorithm.is_mode": "sais", "algorithm.mask_mode": "mpt", "algorithm.tau": 0.9,
                "algorithm.sigma": 0.3, "algorithm.entropy_mode": "batch", "algorithm.clip_ratio_low": 0.1,
                "algorithm.clip_ratio_high": 0.28, "algorithm.loss_agg_mode": "seq-mean-token-mean",
-               "algorithm.entropy_coeff": 0.01, "algorithm.aux_loss_coef": 0.001, "optim.lr": 3e-6,
+               "algorithm.entropy_coeff": 0.01, "algorithm.aux_loss_coef": 0.001, "algorithm.loss_mode": "gspo",
+               "algorithm.clip_ratio_c": 2.5, "algorithm.loss_scale_factor": 512.0, "algorithm.tau_pos": 0.9,
+               "algorithm.tau_neg": 1.2, "optim.lr": 3e-6,
                "optim.warmup_steps": 7, "optim.weight_decay": 0.1, "optim.betas": [0.8, 0.95], "optim.eps": 1e-6,
                "optim.grad_clip": 0.5, "trainer.ppo_mini_batch_size": 4, "trainer.ppo_epochs": 2,
                "trainer.micro_batch_rows": 2, "trainer.row_len": 4096, "trainer.remat": "dots",
                "trainer.scan_layers": True, "trainer.logprob_chunk": 64}
-    assert set(changed) == {f"{s}.{n}" for s, names in OPTION_SECTIONS.items() for n in names}
-    cfg = load_config("tiny_cpu", [f"{k}={v}".replace(" ", "") for k, v in changed.items()])
-    lc = learner_config(cfg)
+    # rollout correction is refused under SAIS (a no-op there): its keys in a second config, with POIS
+    corrected = {"algorithm.rollout_correction.rollout_is": "token",
+                 "algorithm.rollout_correction.rollout_is_threshold": "0.5_5.0",
+                 "algorithm.rollout_correction.rollout_rs": "seq_mean_k3",
+                 "algorithm.rollout_correction.rollout_rs_threshold": 0.01}
+    assert set(changed) | set(corrected) == {f"{s}.{n}" for s, names in OPTION_SECTIONS.items() for n in names}
     default = LearnerConfig()
-    for key, value in changed.items():
-        got = getattr(lc, key.split(".")[1])
-        assert (list(got) if isinstance(got, tuple) else got) == value, key
-        assert got != getattr(default, key.split(".")[1]), f"{key}: pick a non-default value"
+    for options in (changed, corrected):
+        lc = learner_config(load_config("tiny_cpu", [f"{k}={v}".replace(" ", "") for k, v in options.items()]))
+        for key, value in options.items():
+            got = getattr(lc, key.rsplit(".", 1)[1])
+            assert (list(got) if isinstance(got, tuple) else got) == value, key
+            assert got != getattr(default, key.rsplit(".", 1)[1]), f"{key}: pick a non-default value"
     derived = {f.name for f in dataclasses.fields(LearnerConfig)} - {n for v in OPTION_SECTIONS.values() for n in v}
     assert derived == {"temperature"}
     assert learner_config(load_config("tiny_cpu", ["optim.grad_clip=null"])).grad_clip is None

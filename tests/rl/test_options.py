@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from learner_utils import DENSE, random_samples, small_config
-from trainer_utils import MOVING, tiny_config as tiny_run_config
+from trainer_utils import MOVING
+from trainer_utils import tiny_config as tiny_run_config
 
 from ulorl_jax.models import init_model, tiny_config
 from ulorl_jax.rl.learner import Learner
@@ -281,6 +282,7 @@ def test_sais_uses_the_rollout_logprobs_of_each_segment_through_the_trainer(tmp_
         np.testing.assert_allclose(m["ratio_max"], ratio.max(), rtol=1e-5)
         assert m["ratio_max"] != 1.0  # POIS: exactly 1 at the first update
         surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - clip_low, 1 + clip_high) * adv)
+        surrogate = np.where(adv < 0, np.maximum(surrogate, cfg.algorithm.clip_ratio_c * adv), surrogate)  # dual-clip
         np.testing.assert_allclose(m["pg_loss"], -surrogate.mean(), rtol=1e-4, atol=1e-7)
         np.testing.assert_allclose(m["clip_fraction_high"], ((adv > 0) & (ratio > 1 + clip_high)).mean(), atol=1e-7)
         np.testing.assert_allclose(m["clip_fraction_low"], ((adv < 0) & (ratio < 1 - clip_low)).mean(), atol=1e-7)

@@ -8,6 +8,7 @@ copied field by field; only what is derived from several options is computed her
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -57,25 +58,29 @@ def build_model(cfg: RunConfig, tokenizer, seed: int):
 def build_mesh(cfg: RunConfig):
     """The learner's mesh; with no -1 axis it may use fewer devices than the host has (the first ones)."""
     m = cfg.mesh
-    sizes = (m.data, m.fsdp, m.expert, m.tensor)
+    sizes = dict(data=m.data, fsdp=m.fsdp, expert=m.expert, context=m.context, tensor=m.tensor)
     devices = jax.devices()
-    if -1 not in sizes:
-        need = int(np.prod(sizes))
+    if -1 not in sizes.values():
+        need = int(np.prod(list(sizes.values())))
         if need > len(devices):
-            raise ValueError(f"mesh {dict(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor)} needs "
-                             f"{need} devices, {len(devices)} available")
+            raise ValueError(f"mesh {sizes} needs {need} devices, {len(devices)} available")
         devices = devices[:need]
     return make_mesh(same_named(MeshConfig, m), devices=devices)
 
 
 def learner_config(cfg: RunConfig) -> LearnerConfig:
     """The learner's options, taken by name from the run config's sections (`learner.OPTION_SECTIONS`); only
-    what is derived is computed here: the row length when `trainer.row_len` is null and the temperature
+    what is derived is computed here: the row length when `trainer.row_len` is null (rounded up to a multiple
+    of 2 x mesh.context under context parallelism) and the temperature
     log-probs are scored at (1.0 for greedy rollouts)."""
-    values = {name: getattr(getattr(cfg, section), name)
+    values = {name: getattr(functools.reduce(getattr, section.split("."), cfg), name)
               for section, names in OPTION_SECTIONS.items() for name in names}
     r = cfg.rollout
-    values["row_len"] = values["row_len"] or (cfg.data.max_prompt_len or 0) + r.global_max_len
+    if not values["row_len"]:  # derived: a multiple of the 2 x mesh.context chunks context parallelism cuts
+        longest, chunks = (cfg.data.max_prompt_len or 0) + r.global_max_len, 2 * max(cfg.mesh.context, 1)
+        values["row_len"] = longest if cfg.mesh.context == 1 else -(-longest // chunks) * chunks
+    if values["loss_scale_factor"] is None:  # derived: verl's default, the (padded) response length
+        values["loss_scale_factor"] = float(r.global_max_len)
     return LearnerConfig(**values, temperature=r.temperature if r.temperature > 0 else 1.0)
 
 

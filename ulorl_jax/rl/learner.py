@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from ulorl_jax import choices
 from ulorl_jax.models.attention import ATTENTION_LSE, ATTENTION_OUT
 from ulorl_jax.models.config import ConfigError
+from ulorl_jax.models.context_layout import check_row_len, to_layout
 from ulorl_jax.models.logprobs import chunked_logprobs_and_entropy
 from ulorl_jax.options import CHOICES, RANGES, check_option
 from ulorl_jax.rl.losses import (
@@ -57,11 +59,24 @@ from ulorl_jax.rl.packing import (
     pack_samples,
     validate_samples,
 )
+from ulorl_jax.rl.policy_losses import (
+    Segments,
+    aggregation_weights,
+    check_policy_loss_options,
+    sample_mean,
+)
+from ulorl_jax.rl.rollout_correction import (
+    check_rollout_correction,
+    correct_loss_weights,
+)
 from ulorl_jax.sharding import (
     BATCH_AXES,
+    CONTEXT_AXIS,
     MeshConfig,
     MeshError,
     axis_size,
+    constrain_tokens,
+    context_size,
     make_mesh,
     mesh_context,
     param_shardings,
@@ -69,8 +84,17 @@ from ulorl_jax.sharding import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LearnerConfig", "Learner", "TrainSample", "REMAT_POLICIES", "policy_forward", "make_optimizer",
-           "build_train_step", "build_grad_fn", "build_score_fn"]
+__all__ = [
+    "REMAT_POLICIES",
+    "Learner",
+    "LearnerConfig",
+    "TrainSample",
+    "build_grad_fn",
+    "build_score_fn",
+    "build_train_step",
+    "make_optimizer",
+    "policy_forward",
+]
 
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,  # keep every activation
@@ -88,7 +112,9 @@ assert tuple(REMAT_POLICIES) == choices.REMAT, "choices.REMAT names the policies
 # takes them by name, and a bad value gets the same check (options.py) and message as in a YAML.
 OPTION_SECTIONS: dict[str, tuple[str, ...]] = {
     "algorithm": ("is_mode", "mask_mode", "tau", "sigma", "entropy_mode", "clip_ratio_low", "clip_ratio_high",
-                  "loss_agg_mode", "entropy_coeff", "aux_loss_coef"),
+                  "loss_agg_mode", "entropy_coeff", "aux_loss_coef", "loss_mode", "clip_ratio_c",
+                  "loss_scale_factor", "tau_pos", "tau_neg"),
+    "algorithm.rollout_correction": ("rollout_is", "rollout_is_threshold", "rollout_rs", "rollout_rs_threshold"),
     "optim": ("lr", "warmup_steps", "weight_decay", "betas", "eps", "grad_clip"),
     "trainer": ("ppo_mini_batch_size", "ppo_epochs", "micro_batch_rows", "row_len", "remat", "scan_layers",
                 "logprob_chunk"),
@@ -107,9 +133,19 @@ class LearnerConfig:
     entropy_mode: str = "sample"  # H̄_i per sample (paper) or one batch mean
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    loss_agg_mode: str = "token-mean"  # Eq. 10; or "seq-mean-token-mean"
+    loss_agg_mode: str = "token-mean"  # Eq. 10; or any of verl's agg_loss modes (choices.LOSS_AGG_MODES)
     entropy_coeff: float = 0.0  # entropy bonus (loss −= coeff · entropy)
     aux_loss_coef: float = 0.0  # MoE router load-balancing loss weight
+    loss_mode: str = "vanilla"  # verl's policy_loss.loss_mode (rl/policy_losses.py)
+    clip_ratio_c: float | None = 3.0  # dual-clip bound for negative advantages (vanilla); None = off
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor (the run config: global_max_len)
+    tau_pos: float = 1.0  # SAPO gate temperatures
+    tau_neg: float = 1.05
+    # rollout correction (rl/rollout_correction.py), verl's algorithm.rollout_correction; off by default
+    rollout_is: str | None = None  # "token" | "sequence"
+    rollout_is_threshold: float | str = 2.0  # truncation bound, or "lo_hi"
+    rollout_rs: str | None = None  # e.g. "seq_mean_k3" or "token_k1,seq_max_k2"
+    rollout_rs_threshold: float | str | None = None
     lr: float = 1e-6  # constant after warmup, as the paper
     warmup_steps: int = 0
     weight_decay: float = 0.0
@@ -134,12 +170,15 @@ class LearnerConfig:
         if self.row_len is None:
             raise ConfigError("trainer.row_len=None: the learner needs a row length (the run config derives it "
                               "from data.max_prompt_len + rollout.global_max_len)")
+        check_policy_loss_options(self.loss_mode, self.loss_agg_mode, self.loss_scale_factor)
+        check_rollout_correction(self.rollout_is, self.rollout_is_threshold, self.rollout_rs, self.rollout_rs_threshold,
+                                 is_mode=self.is_mode, loss_mode=self.loss_mode)
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
             raise ConfigError(f"rollout.temperature={self.temperature!r}: the learner needs > 0 (greedy rollouts: "
                               "score at 1.0)")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LearnerConfig":
+    def from_dict(cls, d: dict) -> LearnerConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -174,10 +213,18 @@ def _token_scores(model, mb: dict, config: LearnerConfig) -> tuple[jnp.ndarray, 
     """One micro-batch -> (log p(target) [r, L], entropy [r, L], aux loss)."""
     hidden, aux = policy_forward(model, mb["tokens"], mb["positions"], mb["segment_ids"], remat=config.remat,
                                  scan=config.scan_layers)
+    targets = mb["targets"]
+    r, row_len = targets.shape
+    context = context_size()
+    if context > 1:
+        # Rows split over `context`: score each shard's slice of a row as a row of its own, so the chunked
+        # scan below walks local tokens (a scan over the sharded token axis would gather it whole).
+        hidden = constrain_tokens(hidden.reshape(r * context, row_len // context, -1))
+        targets = constrain_tokens(targets.reshape(r * context, row_len // context))
     logp, entropy = chunked_logprobs_and_entropy(
-        hidden, model.lm_head_weight(), mb["targets"], chunk_size=config.logprob_chunk,
+        hidden, model.lm_head_weight(), targets, chunk_size=config.logprob_chunk,
         compute_dtype=hidden.dtype, temperature=config.temperature)
-    return logp, entropy, aux
+    return logp.reshape(r, row_len), entropy.reshape(r, row_len), aux
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +233,7 @@ def _token_scores(model, mb: dict, config: LearnerConfig) -> tuple[jnp.ndarray, 
 
 SUM_METRICS = ("tokens", "masked_tokens", "mpt_tokens", "clip_low_tokens", "clip_high_tokens", "ratio_sum",
                "entropy_sum", "real_tokens", "mismatch_abs_sum", "mismatch_tokens", "pg_loss", "entropy_term",
-               "aux_loss", "nll_sum")
+               "aux_loss", "nll_sum", "pg_clip_tokens", "pg_clip_lower_tokens", "ppo_kl_sum")
 MAX_METRICS = ("ratio_max", "mismatch_abs_max")
 
 
@@ -212,20 +259,20 @@ def _micro_loss(params, graphdef, other, mb: dict, scalars: dict, config: Learne
         sums["pg_loss"] = jax.lax.stop_gradient(loss)
     else:
         # H̄_i of each token's sample: a segment sum over the packed samples (a
-        # sample lives in one row, hence in one micro-batch).
-        num_samples = scalars["sample_lengths"].shape[0]
-        idx = mb["sample_index"]
-        per_sample = jax.ops.segment_sum(jnp.where(resp, ent_sg, 0.0).reshape(-1), idx.reshape(-1),
-                                         num_segments=num_samples)  # [S]
-        lengths = scalars["sample_lengths"]
-        hbar = jnp.where(lengths > 0, per_sample / jnp.maximum(lengths, 1.0), 0.0)  # [S]
-        token_entropy = hbar[idx] if config.entropy_mode == "sample" else jnp.broadcast_to(
-            scalars["batch_entropy"], idx.shape)
+        # sample lives in one row, hence in one micro-batch); gspo / geo_mean take their sequence means so.
+        segments = Segments(mb["sample_index"], scalars["sample_lengths"])
+        token_entropy = sample_mean(ent_sg, resp, segments) if config.entropy_mode == "sample" else (
+            jnp.broadcast_to(scalars["batch_entropy"], resp.shape))
+        if config.loss_mode == "geo_mean":  # one loss per sample, averaged over samples (verl: torch.mean)
+            w = aggregation_weights(resp, segments, "seq-mean-token-mean")
+        elif config.loss_agg_mode == "seq-mean-token-sum-norm":  # `pack` leaves the constant divisor to here
+            w = w / config.loss_scale_factor
         old = jnp.where(scalars["old_from_current"], logp_sg, mb["old_logprobs"])
         loss, loss_sums = weighted_policy_loss(
             logp, old, mb["advantages"], m, w, mb["rewards"], token_entropy,
             clip_low=config.clip_ratio_low, clip_high=config.clip_ratio_high, mask_mode=config.mask_mode,
-            tau=config.tau, sigma=config.sigma)
+            tau=config.tau, sigma=config.sigma, loss_mode=config.loss_mode, clip_ratio_c=config.clip_ratio_c,
+            tau_pos=config.tau_pos, tau_neg=config.tau_neg, segments=segments)
         sums.update({k: v for k, v in loss_sums.items() if k != "tokens"})
         sums["pg_loss"] = jax.lax.stop_gradient(loss)
         if config.entropy_coeff:
@@ -346,6 +393,11 @@ class Learner:
         if config.micro_batch_rows % self._batch_shards:
             raise MeshError(f"learner.micro_batch_rows={config.micro_batch_rows} must be a multiple of the mesh's "
                             f"{self._batch_shards} data shards (axes {BATCH_AXES})")
+        self.context = context_size(self.mesh)  # rows split along their tokens over this many devices
+        check_row_len(config.row_len, self.context)
+        if self.context > 1 and (config.row_len // self.context) % min(config.logprob_chunk, config.row_len):
+            log.info("learner: trainer.logprob_chunk=%d does not divide a context shard's %d tokens per row; "
+                     "the last chunk is padded", config.logprob_chunk, config.row_len // self.context)
         self.graphdef, params, self._other = nnx.split(model, nnx.Param, ...)
         self._param_sh = param_shardings(params, self.mesh)
         self._place_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self._param_sh)
@@ -355,7 +407,8 @@ class Learner:
         self.opt_state = jax.jit(self.tx.init, out_shardings=self._opt_sh)(self.params)
         self.step = 0
         self._replicated = NamedSharding(self.mesh, P())
-        self._micro_sh = NamedSharding(self.mesh, P(None, BATCH_AXES, None))  # [M, r, L]: rows over data shards
+        # [M, r, L]: rows over the data shards, their tokens over `context` (in the load-balanced layout)
+        self._micro_sh = NamedSharding(self.mesh, P(None, BATCH_AXES, CONTEXT_AXIS))
         batch_sh = {**{k: self._micro_sh for k in MICRO_KEYS},
                     **{k: self._replicated for k in ("sample_lengths", "batch_entropy", "old_from_current",
                                                      "aux_scale")}}
@@ -406,14 +459,16 @@ class Learner:
     # -- host-side batch building -------------------------------------------------------
 
     def pack(self, samples: Sequence[TrainSample], loss_agg_mode: str | None = None) -> tuple[PackedBatch, dict]:
-        """Pack samples and lay them out as [M, r, L] micro-batches (numpy)."""
+        """Pack samples and lay them out as [M, r, L] micro-batches (numpy). Under context parallelism the
+        token axis of every [M, r, L] array is in the load-balanced layout (models/context_layout.py;
+        `context_layout.from_layout(x, learner.context)` gives natural rows back)."""
         cfg = self.config
         packed = pack_samples(samples, cfg.row_len, row_multiple=cfg.micro_batch_rows)
         arrays = packed.arrays()
         arrays["loss_weight"] = loss_weights(packed, loss_agg_mode or cfg.loss_agg_mode)
         arrays["old_logprobs"] = arrays["rollout_logprobs"].copy()
         r = cfg.micro_batch_rows
-        batch = {k: arrays[k].reshape(-1, r, cfg.row_len) for k in MICRO_KEYS}
+        batch = {k: to_layout(arrays[k].reshape(-1, r, cfg.row_len), self.context) for k in MICRO_KEYS}
         batch["sample_lengths"] = arrays["sample_lengths"]
         batch["batch_entropy"] = np.zeros((), np.float32)
         batch["old_from_current"] = np.ones((), bool)
@@ -456,8 +511,10 @@ class Learner:
                          need_logprobs=cfg.is_mode == "sais")
         minis = [self.pack(mb) for mb in self._minibatches(samples)]
         num_updates = len(minis) * cfg.ppo_epochs
-        prescore = num_updates > 1 or cfg.entropy_mode == "batch"
+        correct = cfg.rollout_is is not None or cfg.rollout_rs is not None  # needs π_old before the step
+        prescore = num_updates > 1 or cfg.entropy_mode == "batch" or correct
         pre = {"mismatch_abs_sum": 0.0, "mismatch_tokens": 0.0, "mismatch_abs_max": 0.0}
+        corr_metrics: list[dict[str, float]] = []
         device_batches = []
         for _, batch in minis:
             if prescore:
@@ -472,6 +529,12 @@ class Learner:
                 pre["mismatch_abs_sum"] += float(sums["mismatch_abs_sum"])
                 pre["mismatch_tokens"] += float(sums["mismatch_tokens"])
                 pre["mismatch_abs_max"] = max(pre["mismatch_abs_max"], float(sums["mismatch_abs_max"]))
+                if correct:  # rollout correction (rl/rollout_correction.py) as loss weights
+                    batch["loss_weight"], metrics = correct_loss_weights(
+                        batch, loss_agg_mode=cfg.loss_agg_mode, rollout_is=cfg.rollout_is,
+                        rollout_is_threshold=cfg.rollout_is_threshold, rollout_rs=cfg.rollout_rs,
+                        rollout_rs_threshold=cfg.rollout_rs_threshold)
+                    corr_metrics.append(metrics)
             else:  # one update: the step's own forward is the policy at the start
                 batch["old_from_current"] = np.asarray(cfg.is_mode == "pois")
             device_batches.append(self.put_batch(batch))
@@ -480,7 +543,10 @@ class Learner:
         if prescore:
             for k, v in pre.items():
                 per_update[0][k] = v
-        return self._summarise(per_update, minis, num_updates, policy=True)
+        out = self._summarise(per_update, minis, num_updates, policy=True)
+        for key in corr_metrics[0] if corr_metrics else ():  # the mean over the mini-batches
+            out[key] = float(np.mean([m[key] for m in corr_metrics if key in m]))
+        return out
 
     def _score_batch(self, batch: dict) -> tuple[np.ndarray, np.ndarray]:
         """Forward only at the current params: (log p(target), entropy), both [M, r, L] numpy."""
@@ -571,6 +637,13 @@ class Learner:
                 "clip_fraction_high": tot["clip_high_tokens"] / n_tok,
                 "ratio_mean": tot["ratio_sum"] / n_tok,
                 "ratio_max": max(u["ratio_max"] for u in per_update),
+                # verl's names for what it computes the same way (README "Baselines": the mapping)
+                "actor/pg_loss": float(np.mean([u["pg_loss"] for u in per_update])),
+                "actor/pg_clipfrac": tot["pg_clip_tokens"] / n_tok,
+                "actor/pg_clipfrac_lower": tot["pg_clip_lower_tokens"] / n_tok,
+                "actor/ppo_kl": tot["ppo_kl_sum"] / n_tok,
+                "actor/entropy": tot["entropy_sum"] / n_tok,
+                "actor/grad_norm": float(np.mean([u["grad_norm"] for u in per_update])),
                 # Rollout vs learner log-probs, at the policy that was current when the batch arrived
                 # (the prescoring pass, or the first update's own forward).
                 "logprob_mismatch_mean_abs": (first_epoch[0]["mismatch_abs_sum"] / mismatch_tokens

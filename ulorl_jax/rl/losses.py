@@ -19,6 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ulorl_jax.choices import ENTROPY_MODES, IS_MODES, LOSS_AGG_MODES, MASK_MODES  # noqa: F401  (re-exported)
+from ulorl_jax.rl.policy_losses import PolicyLossParams, Segments, policy_token_losses
+
+# The aggregations `token_policy_loss` ([B, T] arrays) implements; the learner's weighted sum takes all of
+# LOSS_AGG_MODES (ulorl_jax.rl.policy_losses.aggregation_weights).
+TOKEN_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def _check_option(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -204,7 +209,7 @@ def token_policy_loss(
       non-empty samples whose MPTs are eligible for masking).
     """
     _check_option("mask_mode", mask_mode, MASK_MODES)
-    _check_option("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_option("loss_agg_mode", loss_agg_mode, TOKEN_LOSS_AGG_MODES)
     _check_option("entropy_mode", entropy_mode, ENTROPY_MODES)
 
     response = response_mask.astype(bool)  # [B, T]
@@ -277,10 +282,17 @@ def weighted_policy_loss(
     mask_mode: str = "dmmpt",
     tau: float = 0.99,
     sigma: float = 0.2,
+    loss_mode: str = "vanilla",
+    clip_ratio_c: float | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    segments: Segments | None = None,
 ) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
-    """Eq. 10 for any token layout (packed rows, micro-batches) as a weighted sum.
+    """Eq. 10 (or verl's `loss_mode`) for any token layout (packed rows, micro-batches) as a weighted sum.
 
-    loss = −Σ_t w_t · (1 − I_msk,t) · min(r_t·Â_t, clip(r_t, 1−ε_low, 1+ε_high)·Â_t)
+    loss = Σ_t w_t · (1 − I_msk,t) · ℓ_t, with ℓ_t = −min(r_t·Â_t, clip(r_t, 1−ε_low, 1+ε_high)·Â_t) for
+    "vanilla" (dual-clipped at −Â·clip_ratio_c for Â < 0 when clip_ratio_c is set) and the losses of
+    `ulorl_jax.rl.policy_losses` otherwise (geo_mean, one loss per sample, masks by stop_gradient).
 
     Every input has the same shape (e.g. [R, L]); per-sample quantities come
     per token: `token_reward` and `token_sample_entropy` are the reward and
@@ -289,27 +301,29 @@ def weighted_policy_loss(
     (`ulorl_jax.rl.packing.loss_weights`: 1/Σ|o_i| for token-mean), so losses
     of micro-batches add up to the loss of their mini-batch, and with
     token-mean weights this equals `token_policy_loss` on the unpacked batch.
+    `segments` (which sample each token is) is needed by gspo and geo_mean.
 
     Returns (loss, sums): token counts and sums that also add up over
     micro-batches (tokens, masked_tokens, mpt_tokens, clip_low_tokens,
-    clip_high_tokens, ratio_sum) and ratio_max.
+    clip_high_tokens, ratio_sum; verl's pg_clipfrac / pg_clipfrac_lower numerators pg_clip_tokens /
+    pg_clip_lower_tokens and ppo_kl_sum = Σ (log π_old − log π)) and ratio_max.
     """
     _check_option("mask_mode", mask_mode, MASK_MODES)
     shape = logprobs.shape
     response = response_mask.astype(bool)
-    logprobs = logprobs.astype(jnp.float32)
-    old_logprobs = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
-    adv = jax.lax.stop_gradient(advantages.astype(jnp.float32))
     # One token = one "sample" of length 1 for the mask helpers: [N, 1] with per-token reward / H̄.
     i_msk, mpt, _ = loss_mask(
         logprobs.reshape(-1, 1), response.reshape(-1, 1), token_reward.reshape(-1),
         token_sample_entropy.reshape(-1), mask_mode=mask_mode, tau=tau, sigma=sigma, entropy_mode="sample",
     )
     i_msk, mpt = i_msk.reshape(shape), mpt.reshape(shape)
-    surrogate, ratio = clipped_surrogate(logprobs, old_logprobs, adv, response, clip_low=clip_low,
-                                         clip_high=clip_high)
-    keep = response & ~i_msk
-    loss = -jnp.sum(jnp.where(keep, token_weight.astype(jnp.float32) * surrogate, 0.0))
+    params = PolicyLossParams(clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=clip_ratio_c,
+                              tau_pos=tau_pos, tau_neg=tau_neg)
+    per_token, ratio, clip_stats = policy_token_losses(loss_mode, logprobs, old_logprobs, advantages, response,
+                                                       response & ~i_msk, segments, params)
+    loss = jnp.sum(jnp.where(response, token_weight.astype(jnp.float32) * per_token, 0.0))
+    adv = jnp.asarray(advantages, jnp.float32)
+    log_ratio = jnp.where(response, logprobs.astype(jnp.float32) - old_logprobs.astype(jnp.float32), 0.0)
 
     def count(x: jnp.ndarray) -> jnp.ndarray:
         return jnp.sum((x & response).astype(jnp.float32))
@@ -320,8 +334,11 @@ def weighted_policy_loss(
         "mpt_tokens": count(mpt),
         "clip_low_tokens": count((adv < 0) & (ratio < 1.0 - clip_low)),
         "clip_high_tokens": count((adv > 0) & (ratio > 1.0 + clip_high)),
-        "ratio_sum": jnp.sum(jnp.where(response, ratio, 0.0)),
-        "ratio_max": jnp.max(jnp.where(response, ratio, 0.0)),
+        "pg_clip_tokens": count(clip_stats["pg_clip"]),
+        "pg_clip_lower_tokens": count(clip_stats["pg_clip_lower"]),
+        "ppo_kl_sum": -jnp.sum(log_ratio),
+        "ratio_sum": jnp.sum(ratio),
+        "ratio_max": jnp.max(ratio),
     }
     return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
@@ -397,7 +414,7 @@ def validate_loss_inputs(
     on, sample_reward in {0, 1}.
     """
     _check_option("mask_mode", mask_mode, MASK_MODES)
-    _check_option("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+    _check_option("loss_agg_mode", loss_agg_mode, TOKEN_LOSS_AGG_MODES)
     _check_option("entropy_mode", entropy_mode, ENTROPY_MODES)
     arrays = {
         "logprobs": _concrete("logprobs", logprobs),

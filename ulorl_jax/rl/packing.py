@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from ulorl_jax.buckets import pow2_ceil
+from ulorl_jax.rl.policy_losses import Segments, aggregation_weights
 
 
 @dataclasses.dataclass
@@ -184,21 +186,17 @@ def unpack_tokens(packed: PackedBatch, values: np.ndarray, samples: Sequence[Tra
     return out
 
 
-def loss_weights(packed: PackedBatch, loss_agg_mode: str) -> np.ndarray:
-    """float32 [R, L] per-token weights w with loss = Σ w · ℓ_token.
+def loss_weights(packed: PackedBatch, loss_agg_mode: str, loss_scale_factor: float | None = None) -> np.ndarray:
+    """float32 [R, L] per-token weights w with loss = Σ w · ℓ_token, for any of verl's `agg_loss` modes
+    (`ulorl_jax.rl.policy_losses.aggregation_weights`, the one definition):
 
-    "token-mean" (Eq. 10): w = 1 / Σ_i |o_i| (masked tokens still count).
-    "seq-mean-token-mean": w = 1 / (|o_i| · number of samples).
+    "token-mean" (Eq. 10): w = 1 / Σ_i |o_i| (masked tokens still count); "token-sum": 1;
+    "seq-mean-token-sum": 1 / N; "seq-mean-token-mean": 1 / (|o_i| · N);
+    "seq-mean-token-sum-norm": 1 / (N · loss_scale_factor) (None: 1 here; the learner's step divides by
+    its `algorithm.loss_scale_factor`). N counts the samples with a response.
     Zero off the response. Because the weights are global, micro-batch losses
     simply add up to the mini-batch loss.
     """
-    m = packed.response_mask
-    if loss_agg_mode == "token-mean":
-        total = m.sum()
-        return (m / total if total > 0 else m).astype(np.float32)
-    if loss_agg_mode == "seq-mean-token-mean":
-        lengths = packed.sample_lengths[packed.sample_index]  # [R, L]
-        n = sum(1 for x in packed.sample_lengths[:packed.num_samples] if x > 0)
-        w = np.where(m > 0, 1.0 / np.maximum(lengths, 1.0) / max(n, 1), 0.0)
-        return w.astype(np.float32)
-    raise ValueError(f"loss_agg_mode={loss_agg_mode!r} is not one of ('token-mean', 'seq-mean-token-mean')")
+    segments = Segments(np.asarray(packed.sample_index), np.asarray(packed.sample_lengths))
+    return np.asarray(aggregation_weights(packed.response_mask, segments, loss_agg_mode, loss_scale_factor),
+                      np.float32)

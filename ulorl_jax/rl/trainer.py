@@ -33,8 +33,9 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,10 +54,14 @@ from ulorl_jax.decode.placement import (
     resolve_kind,
     weight_bytes,
 )
-from ulorl_jax.memory import check_train_memory, format_bytes, memory_budget, train_memory
+from ulorl_jax.memory import (
+    check_train_memory,
+    format_bytes,
+    memory_budget,
+    train_memory,
+)
 from ulorl_jax.metrics import MetricsWriter
 from ulorl_jax.model_source import build_tokenizer
-from ulorl_jax.run_paths import check_paths_exist, resolve_flat, resolve_paths, used_paths
 from ulorl_jax.rl.advantages import (
     dynamic_sampling_report,
     grpo_advantages_host,
@@ -74,8 +79,15 @@ from ulorl_jax.rl.evaluation import evaluate, score_samples
 from ulorl_jax.rl.hooks import StepHook, default_hooks, run_hooks
 from ulorl_jax.rl.learner import Learner
 from ulorl_jax.rl.packing import TrainSample
+from ulorl_jax.rl.reward_shaping import shaped_rewards
 from ulorl_jax.rollout.backends import make_segment_rollout
 from ulorl_jax.rollout.distributed import DistributedRollout
+from ulorl_jax.run_paths import (
+    check_paths_exist,
+    resolve_flat,
+    resolve_paths,
+    used_paths,
+)
 from ulorl_jax.types import Sample
 
 log = logging.getLogger(__name__)
@@ -257,6 +269,7 @@ class Trainer:
         self.policy_version = 0
         self.ready_groups: list[list[Sample]] = []  # kept by dynamic sampling, waiting for an update
         self.last_trained_groups: list[list[Sample]] = []  # for inspection (tests, debugging)
+        self.shaping_metrics: dict[str, float] = {}  # the last train_samples' overlong-buffer metrics (if logged)
         self.consecutive_skips = 0
         self._skipped_tally: collections.Counter = collections.Counter()  # rewards of the steps that trained nothing
         self.consecutive_nonfinite = 0  # steps in a row whose every learner update was skipped (non-finite)
@@ -410,7 +423,11 @@ class Trainer:
 
     def train_samples(self, groups: list[list[Sample]]) -> list[TrainSample]:
         rewards = np.asarray([[s.metadata["reward"] for s in g] for g in groups], np.float32)
-        adv = grpo_advantages_host(rewards, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
+        # DAPO's overlong buffer shapes the advantages' reward only (rl/reward_shaping.py)
+        lengths = np.asarray([[len(s.response_ids) for s in g] for g in groups])
+        shaped, self.shaping_metrics = shaped_rewards(rewards, lengths, self.cfg.rollout.global_max_len,
+                                                      self.cfg.reward.overlong_buffer)
+        adv = grpo_advantages_host(shaped, norm_by_std=self.cfg.algorithm.norm_adv_by_std)
         return [TrainSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, advantage=float(adv[i, j]),
                             reward=float(s.metadata["reward"]), logprobs=s.logprobs)
                 for i, g in enumerate(groups) for j, s in enumerate(g)]
@@ -443,6 +460,7 @@ class Trainer:
             self._skipped_tally.clear()
             metrics.update(learn)
             metrics.update(self._nonfinite_guard(learn))
+            metrics.update(self.shaping_metrics)
             metrics["trained_samples"] = len(samples)
             # Which samples this step consumed: a resumed run can be checked to train each exactly once.
             metrics["trained_uids"] = sorted(s.uid for g in groups for s in g)
@@ -474,7 +492,7 @@ class Trainer:
         run_hooks(self.hooks, "after", self, self.step, metrics)
         return metrics
 
-    def add_hook(self, fn: Callable[["Trainer", dict], None], *, every: int = 1, name: str | None = None,
+    def add_hook(self, fn: Callable[[Trainer, dict], None], *, every: int = 1, name: str | None = None,
                  stage: str = "after") -> None:
         """Run `fn(trainer, metrics)` after every `every`-th step: stage "metrics" before the step's metrics
         are written (it may add to them), "after" once they are (rl/hooks.py)."""
