@@ -261,8 +261,8 @@ def test_mesh_section_builds_a_mesh_config():
     from ulorl_jax.sharding import MeshConfig
 
     mesh = load_config("qwen3_30b_a3b_128k").mesh.mesh_config()
-    assert mesh == MeshConfig(data=1, fsdp=-1, expert=8, tensor=1)
-    assert mesh.shape(16) == {"data": 1, "fsdp": 2, "expert": 8, "tensor": 1}
+    assert mesh == MeshConfig(data=1, fsdp=-1, expert=2, context=4, tensor=1)
+    assert mesh.shape(16) == {"data": 1, "fsdp": 2, "expert": 2, "context": 4, "tensor": 1}
 
 
 def test_config_to_dict_is_plain():

@@ -27,7 +27,7 @@ def test_small_config_extrapolation_matches_full_compile():
     ext = plan(cfg, 8, layers="1,2", skip_decode=False)
     full = plan(cfg, 8, layers="full", skip_decode=False)
     assert ext["extrapolated"] and not full["extrapolated"]
-    assert ext["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+    assert ext["mesh"] == {"data": 1, "fsdp": 8, "expert": 1, "context": 1, "tensor": 1}
     for step in ("train", "decode"):
         e, f = ext[step], full[step]
         assert e["argument_bytes"] == pytest.approx(f["argument_bytes"], rel=0.02)

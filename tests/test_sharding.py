@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from hf_utils import save_hf_model
 from ulorl_jax.models import init_model, init_sharded, tiny_config
 from ulorl_jax.models.hf import from_pretrained
-from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MeshConfig, MeshError, logical_to_spec,
+from ulorl_jax.sharding import (DEFAULT_PARAM_RULES, MeshConfig, MeshError, logical_to_spec, spec_on,
                                 make_mesh, shard_batch, shard_model)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices; see tests/conftest.py")
@@ -42,10 +42,10 @@ def test_sharded_forward_equals_unsharded(reference, mesh_name):
     mesh = make_mesh(MESHES[mesh_name])
     sharded = init_sharded(cfg, mesh, seed=7)  # same seed: same weights, created in place on the mesh
     for path, var in _walk_params(sharded):
-        want = logical_to_spec(var.logical_axes, DEFAULT_PARAM_RULES)
+        want = spec_on(logical_to_spec(var.logical_axes, DEFAULT_PARAM_RULES), mesh)
         assert var[...].sharding.spec == want, jax.tree_util.keystr(path)
         assert var[...].sharding.mesh == mesh
-    assert sharded.layers[0].mlp.gate[...].sharding.spec == P("expert", "fsdp", "tensor")
+    assert sharded.layers[0].mlp.gate[...].sharding.spec == P("expert", "fsdp", "tensor")  # context 1: as before
     logits = nnx.jit(lambda m, t: m(t))(sharded, shard_batch(tokens, mesh))
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-5)
     # shard_model moves an existing model onto the mesh the same way
@@ -67,7 +67,7 @@ def test_from_pretrained_places_shards(tmp_path):
 
 
 def test_bad_mesh_shapes():
-    with pytest.raises(MeshError, match=r"data=3 x fsdp=1 x expert=1 x tensor=1 = 3 devices, but 8 are available"):
+    with pytest.raises(MeshError, match=r"data=3 x fsdp=1 x expert=1 x context=1 x tensor=1 = 3 devices, but 8 are available"):
         make_mesh(MeshConfig(data=3, fsdp=1))
     with pytest.raises(MeshError, match="8 is not a multiple of 3"):
         make_mesh(MeshConfig(data=3))
@@ -91,3 +91,13 @@ def test_single_device_mesh_works():
     tokens = jnp.ones((2, 3), jnp.int32)
     np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(init_model(tiny_config("qwen3"), 1)(tokens)),
                                atol=1e-6)
+
+
+def test_context_axis_shards_parameters_like_fsdp():
+    """With mesh.context > 1 the embed dim splits over fsdp x context (ZeRO-3 over both); at context 1 the
+    spelling is the one without a context axis."""
+    assert DEFAULT_PARAM_RULES["embed"] == ("fsdp", "context")
+    both = make_mesh(MeshConfig(fsdp=2, context=4))
+    assert spec_on(P("expert", ("fsdp", "context"), "tensor"), both) == P("expert", ("fsdp", "context"), "tensor")
+    assert spec_on(P(("fsdp", "context")), make_mesh(MeshConfig(fsdp=8))) == P("fsdp")
+    assert spec_on(P(("fsdp", "context")), make_mesh(MeshConfig(fsdp=1, context=8))) == P("context")

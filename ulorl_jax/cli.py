@@ -35,6 +35,10 @@ LAZY_BENCHES = {
                                            "(eager and torch.compile)"),
     "kv": ("ulorl_jax.bench.kv", "paged vs dense KV cache under one memory budget: samples in flight, wall time, "
                                  "equal greedy tokens"),
+    "context": ("ulorl_jax.bench.context", "context parallelism: per-shard causal load balance, and a row split "
+                                           "over context vs rows over fsdp"),
+    "serve": ("ulorl_jax.bench.serve", "OpenAI API server under 1 / 8 / 32 concurrent clients: tokens/s and latency "
+                                       "percentiles"),
 }
 
 # Packages `pip install -e .` leaves out, imported by the commands that use them: top-level module -> the fix.

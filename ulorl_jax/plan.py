@@ -157,21 +157,29 @@ def compile_train_step(model_config, learner_config, mesh, rows: int, row_len: i
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from ulorl_jax.models.context_layout import check_row_len
     from ulorl_jax.rl.learner import (
         MICRO_KEYS,
         build_train_step,
         make_optimizer,
         optimizer_shardings,
     )
-    from ulorl_jax.sharding import BATCH_AXES, mesh_context, param_shardings
+    from ulorl_jax.sharding import (
+        BATCH_AXES,
+        CONTEXT_AXIS,
+        context_size,
+        mesh_context,
+        param_shardings,
+    )
 
+    check_row_len(row_len, context_size(mesh), what="--seq-len / trainer.row_len")
     graphdef, params, other, _ = abstract_model(model_config)
     param_sh = param_shardings(params, mesh)
     tx = make_optimizer(learner_config)
     params_sds = _sds(params, param_sh)
     opt_sh = optimizer_shardings(tx, params_sds, param_sh, mesh)
     opt_sds = _sds(jax.eval_shape(tx.init, params_sds), opt_sh)
-    micro = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    micro = NamedSharding(mesh, P(None, BATCH_AXES, CONTEXT_AXIS))  # as the Learner lays out its batch
     rep = NamedSharding(mesh, P())
     int_keys = {"tokens", "targets", "segment_ids", "positions", "sample_index"}
     batch = {k: jax.ShapeDtypeStruct((1, rows, row_len), np.int32 if k in int_keys else np.float32, sharding=micro)
@@ -357,12 +365,12 @@ def decode_concurrency_plan(cfg, model_config, mesh, train: dict, decode: dict |
     donated state; `decode` None: lowered only, not counted). The paged figure uses the config's prompt
     length (data.max_prompt_len, every prompt taken at the maximum, no prompt pages shared in a group) and
     the long-tailed lengths of `bench.segment_cost.LengthDistribution` over rollout.global_max_len."""
-    from ulorl_jax.bench.segment_cost import LengthDistribution
     from ulorl_jax.bench.kv_concurrency import (
         decode_concurrency,
         kv_bytes_per_token,
         rollout_batch,
     )
+    from ulorl_jax.bench.segment_cost import LengthDistribution
 
     r = cfg.rollout
     if page_size is None:  # rollout.page_size arrives with the paged engine; before it, the default

@@ -3,8 +3,10 @@
 Parameters carry logical axis names (`logical_axes` metadata on each
 `nnx.Param`, e.g. ("embed", "mlp")); a rules table maps each logical name to
 mesh axes. Mesh axes: `data` (pure data parallel), `fsdp` (data parallel with
-sharded parameters and optimizer state), `expert` (MoE experts), `tensor`
-(heads / MLP width / vocab).
+sharded parameters and optimizer state), `expert` (MoE experts), `context`
+(the token axis of the learner's packed rows: context parallelism,
+models/context_attention.py; parameters are split over it as over `fsdp`),
+`tensor` (heads / MLP width / vocab).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 # Parameter logical axes -> mesh axes. None = replicated.
 DEFAULT_PARAM_RULES: dict[str, Any] = {
     "vocab": "tensor",
-    "embed": "fsdp",
+    # ZeRO-3 over both: a context shard holds a slice of every row, so it shares the weights' memory as an
+    # fsdp shard does (gathered per layer in the forward, gradients reduce-scattered)
+    "embed": ("fsdp", "context"),
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,
@@ -34,8 +39,12 @@ DEFAULT_PARAM_RULES: dict[str, Any] = {
     "norm": None,
 }
 # Activations: the batch is split over every data-like axis (experts see the
-# whole batch through GSPMD's collectives).
+# whole batch through GSPMD's collectives); the learner's packed rows are split along
+# their tokens over `context` as well, so a flattened token axis [rows * row_len] is
+# split over TOKEN_AXES (rows major, then the context shards of each row).
 BATCH_AXES = ("data", "fsdp", "expert")
+CONTEXT_AXIS = "context"
+TOKEN_AXES = BATCH_AXES + (CONTEXT_AXIS,)
 
 
 class MeshError(ValueError):
@@ -49,6 +58,7 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     expert: int = 1
+    context: int = 1
     tensor: int = 1
 
     def shape(self, num_devices: int) -> dict[str, int]:
@@ -80,7 +90,7 @@ class MeshConfig:
 
 
 def make_mesh(config: MeshConfig | None = None, devices=None) -> Mesh:
-    """A Mesh with axes (data, fsdp, expert, tensor) over `devices` (default: all)."""
+    """A Mesh with axes (data, fsdp, expert, context, tensor) over `devices` (default: all)."""
     config = config or MeshConfig()
     devices = list(devices if devices is not None else jax.devices())
     sizes = config.shape(len(devices))
@@ -108,9 +118,22 @@ def axis_size(mesh: Mesh, entry) -> int:
     return math.prod(mesh.shape[n] for n in names)
 
 
+def spec_on(spec: P, mesh) -> P:
+    """`spec` with the size-1 mesh axes left out of its multi-axis entries: ('fsdp', 'context') on a mesh
+    without context parallelism is spelled 'fsdp', as before the context axis existed (a differently spelled
+    but equal sharding is a new jit signature for code that compares them)."""
+    def entry(e):
+        if not isinstance(e, tuple):
+            return e
+        kept = tuple(a for a in e if mesh.shape[a] > 1) or e[:1]
+        return kept[0] if len(kept) == 1 else kept
+
+    return P(*(entry(e) for e in spec))
+
+
 def spec_for(name: str, shape: tuple[int, ...], axes: tuple | None, mesh: Mesh, rules=None) -> NamedSharding:
     """NamedSharding for one tensor, after checking every sharded dim divides."""
-    spec = logical_to_spec(axes, rules)
+    spec = spec_on(logical_to_spec(axes, rules), mesh)
     for dim, entry in zip(shape, spec):
         if dim % axis_size(mesh, entry):
             raise MeshError(
@@ -169,18 +192,45 @@ def constrain(x, axes: tuple):
     mesh = context_mesh()
     if mesh is None:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(axes)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_on(logical_to_spec(axes), mesh)))
+
+
+def constrain_tokens(x):
+    """`x` [N, ...] with N = rows x context shards (a row's slice per context shard, rows major) laid out
+    over TOKEN_AXES when traced under `context_mesh()`; otherwise `x` unchanged."""
+    mesh = context_mesh()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(TOKEN_AXES, *([None] * (x.ndim - 1)))))
 
 
 def batch_axes_for(batch: int, mesh) -> tuple[str, ...]:
     """The BATCH_AXES, in order, that split `batch` rows evenly: all of them when the
     batch divides over the data shards (the learner's micro-batches always do); otherwise
     the rows are split over the axes that still divide and replicated over the rest."""
+    return _dividing_axes(batch, mesh, BATCH_AXES)
+
+
+def _dividing_axes(n: int, mesh, candidates: tuple[str, ...]) -> tuple[str, ...]:
     axes: tuple[str, ...] = ()
-    for axis in BATCH_AXES:
-        if batch % axis_size(mesh, axes + (axis,)) == 0:
+    for axis in candidates:
+        if n % axis_size(mesh, axes + (axis,)) == 0:
             axes += (axis,)
     return axes
+
+
+def token_axes_for(tokens: int, mesh) -> tuple[str, ...]:
+    """The TOKEN_AXES, in order, that split a flattened token axis of `tokens` evenly (as
+    `batch_axes_for`; the context axis last, as the learner's rows are laid out)."""
+    return _dividing_axes(tokens, mesh, TOKEN_AXES)
+
+
+def context_size(mesh=None) -> int:
+    """Devices along the `context` axis of `mesh` (default: jax's mesh context); 1 without one."""
+    mesh = context_mesh() if mesh is None else mesh
+    if mesh is None or CONTEXT_AXIS not in mesh.axis_names:
+        return 1
+    return mesh.shape[CONTEXT_AXIS]
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -27,18 +27,19 @@ from jax.sharding import PartitionSpec as P
 
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
 from ulorl_jax.models.fallback import warn_once
-from ulorl_jax.models.moe_parallel import experts_parallel, expert_parallel_mesh
-from ulorl_jax.sharding import batch_axes_for, context_mesh
+from ulorl_jax.models.moe_parallel import expert_parallel_mesh, experts_parallel
+from ulorl_jax.sharding import context_mesh, token_axes_for
 
 log = logging.getLogger(__name__)
 
 
 def top_k_rows(x: jnp.ndarray, k: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """`lax.top_k` over the last axis of x [N, E], rows split over the data axes under a mesh context.
+    """`lax.top_k` over the last axis of x [N, E] (N flattened tokens), rows split over the token axes
+    (sharding.TOKEN_AXES) under a mesh context.
     GSPMD replicates top_k's custom call: it would all-gather [all tokens, E] on every device (at 128k
     tokens per device on 64 devices, 4.4 GB per MoE layer in float32)."""
     mesh = context_mesh()
-    rows = batch_axes_for(x.shape[0], mesh) if mesh is not None else ()
+    rows = token_axes_for(x.shape[0], mesh) if mesh is not None else ()
     if not rows:
         return jax.lax.top_k(x, k)
     spec = P(rows, None)

@@ -5,11 +5,12 @@ unpartitioned, so every device holds temporaries for the whole micro-batch.
 Here the experts run inside `jax.shard_map` over the mesh of jax's mesh
 context (`sharding.mesh_context`; the learner and `ulorl plan` trace their
 steps under it), with the layout of `sharding.DEFAULT_PARAM_RULES`:
-tokens [N, D] split over BATCH_AXES (data, fsdp, expert); expert weights
-[E, D, F] split experts -> `expert`, embed -> `fsdp`, expert_mlp -> `tensor`.
+tokens [N, D] split over TOKEN_AXES (data, fsdp, expert, context: rows, then the
+context shards of each row); expert weights [E, D, F] split experts -> `expert`,
+embed -> `fsdp` x `context`, expert_mlp -> `tensor`.
 
 Per device (coordinates d, f, e, t):
-1. ZeRO-3: all-gather its E/ep experts over `fsdp` (the embed dim), once per layer;
+1. ZeRO-3: all-gather its E/ep experts over `fsdp` x `context` (the embed dim), once per layer;
 2. for each chunk of its local tokens (`lax.map`, each chunk rematerialised):
    all-gather the chunk's tokens and their top-k experts / weights over
    `expert` (the ep devices with the same (d, f) hold the other experts),
@@ -29,13 +30,19 @@ The router (and its aux-loss logits) stays outside, partitioned by GSPMD.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ulorl_jax.sharding import BATCH_AXES, DEFAULT_PARAM_RULES, MESH_AXES, MeshError, axis_size
+from ulorl_jax.sharding import (
+    DEFAULT_PARAM_RULES,
+    MESH_AXES,
+    TOKEN_AXES,
+    MeshError,
+    axis_size,
+)
 
 # Gathered (token, expert) assignment rows one device handles at a time (worst case: all local).
 # 64k rows x (2 x hidden + 3 x moe_intermediate) bf16 is ~0.8 GB for Qwen3-30B-A3B.
@@ -46,13 +53,13 @@ def expert_parallel_mesh() -> jax.sharding.AbstractMesh | None:
     """The context mesh when the experts should run expert-parallel, else None.
 
     Parallel when jax's mesh context has the MESH_AXES and splits tokens over
-    more than one device (BATCH_AXES); no mesh, another mesh, or one data
+    more than one device (TOKEN_AXES); no mesh, another mesh, or one data
     shard: the plain single-program path (GSPMD shards what it can).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return None
-    if axis_size(mesh, BATCH_AXES) == 1:
+    if axis_size(mesh, TOKEN_AXES) == 1:
         return None
     return mesh
 
@@ -111,15 +118,15 @@ def experts_parallel(x, weights, experts, w_gate, w_up, w_down, *, mesh, local_f
     rows_per_chunk = ROWS_PER_CHUNK if rows_per_chunk is None else rows_per_chunk
     rules = DEFAULT_PARAM_RULES
     ep_axes, embed_axes, mlp_axes = (_axes(rules[name]) for name in ("experts", "embed", "expert_mlp"))
-    if not set(ep_axes) <= set(BATCH_AXES) or set(mlp_axes) & set(BATCH_AXES):
-        raise MeshError(f"expert parallelism needs experts sharded over token axes {BATCH_AXES} and expert_mlp "
+    if not set(ep_axes) <= set(TOKEN_AXES) or set(mlp_axes) & set(TOKEN_AXES):
+        raise MeshError(f"expert parallelism needs experts sharded over token axes {TOKEN_AXES} and expert_mlp "
                         f"over none of them; rules give experts -> {ep_axes}, expert_mlp -> {mlp_axes}")
     n = x.shape[0]
-    shards = axis_size(mesh, BATCH_AXES)
+    shards = axis_size(mesh, TOKEN_AXES)
     pad = -n % shards  # a token count that does not split over the data shards: zero-weight padding tokens
     if pad:
         x, weights, experts = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, weights, experts))
-    tokens = P(BATCH_AXES, None)
+    tokens = P(TOKEN_AXES, None)
     w_in = P(rules["experts"], rules["embed"], rules["expert_mlp"])  # [E, D, F]
     w_out = P(rules["experts"], rules["expert_mlp"], rules["embed"])  # [E, F, D]
     body = lambda *a: _local_experts(*a, local_fn=local_fn, ep_axes=ep_axes, embed_axes=embed_axes,  # noqa: E731

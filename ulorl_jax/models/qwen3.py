@@ -32,12 +32,19 @@ from ulorl_jax.models.attention import (
     paged_attention,
 )
 from ulorl_jax.models.config import ModelConfig, resolve_dtype
+from ulorl_jax.models.context_attention import context_parallel_attention
 from ulorl_jax.models.fallback import warn_once
 from ulorl_jax.models.layer_scan import scan_layers, unscannable
 from ulorl_jax.models.moe import SparseMoeBlock, load_balancing_loss
-from ulorl_jax.models.paged_kv import PagedKVCache, PagedLayerKV, cached_segments, page_owners, write_pages
+from ulorl_jax.models.paged_kv import (
+    PagedKVCache,
+    PagedLayerKV,
+    cached_segments,
+    page_owners,
+    write_pages,
+)
 from ulorl_jax.models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from ulorl_jax.sharding import constrain, param_shardings
+from ulorl_jax.sharding import constrain, context_mesh, context_size, param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +119,11 @@ class Attention(nnx.Module):
             v = write(v_cache, v.astype(v_cache.dtype), index)
             new_kv = (k, v)
             k, v = k.astype(dt), v.astype(dt)
-        out = get_attention_impl(self.config.attention_impl)(q, k, v, mask)  # [B, T, H, Dh]
+        mesh = context_mesh()
+        if kv is None and context_size(mesh) > 1:  # rows split over `context` (models/context_attention.py)
+            out = context_parallel_attention(self.config.attention_impl, q, k, v, mask, mesh)
+        else:
+            out = get_attention_impl(self.config.attention_impl)(q, k, v, mask)  # [B, T, H, Dh]
         out = checkpoint_name(out, ATTENTION_OUT)  # kept by the remat policy `attention`
         return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), new_kv
 
@@ -233,8 +244,16 @@ class Qwen3ForCausalLM(nnx.Module):
         `jax.checkpoint_policies` policy, None = keep every activation) wraps each decoder layer
         in `nnx.remat`, so the backward pass keeps one layer's activations at a time; `scan` runs
         the layers as one `lax.scan` over their stacked weights (models/layer_scan.py; models
-        whose layers differ run unrolled, with a warning)."""
+        whose layers differ run unrolled, with a warning).
+
+        Context parallelism: traced under a mesh context (`sharding.mesh_context`) whose `context` axis is
+        > 1, the rows must come in the load-balanced layout of models/context_layout.py (the learner lays
+        them out so), with `positions` and `segment_ids` given in that layout."""
         b, t = tokens.shape
+        if context_size() > 1 and (positions is None or segment_ids is None):
+            raise ValueError("forward under a mesh with context > 1 needs positions and segment_ids in the "
+                             "load-balanced layout (models/context_layout.py); natural-order defaults would be "
+                             "wrong")
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32) if attention_mask is None else attention_mask.astype(jnp.int32)
             if positions is None:
