@@ -31,7 +31,8 @@ def test_baseline_configs_differ_from_ulorl_only_in_the_algorithm(name):
 def test_quick_demo_runs_each_baseline(name, tmp_path):
     run = tmp_path / name
     out = subprocess.run([sys.executable, "-m", "ulorl_jax.cli", "demo", "--quick", "--config", f"{name}_tiny_cpu",
-                          "--run-dir", str(run), "--json", "trainer.sft_steps=40", "trainer.total_steps=4"],
+                          "--run-dir", str(run), "--json", "trainer.sft_steps=40", "trainer.total_steps=4",
+                          "data.synthetic.num_eval=4"],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
