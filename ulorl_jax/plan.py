@@ -82,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _ensure_devices(n: int) -> None:
-    """Fake CPU devices for the mesh; must run before jax initialises a backend."""
+def ensure_devices(n: int, command: str = "ulorl plan") -> None:
+    """Fake CPU devices for the mesh; must run before jax initialises a backend (`command` is named in the
+    error when jax started first with fewer)."""
     flag = "--xla_force_host_platform_device_count"
     flags = os.environ.get("XLA_FLAGS", "")
     if flag not in flags:
@@ -93,8 +94,8 @@ def _ensure_devices(n: int) -> None:
 
     if jax.device_count() < n:
         raise ValueError(f"--devices={n} but this process has {jax.device_count()} {jax.default_backend()} "
-                         f"devices (jax started before `ulorl plan` could ask for {n} fake CPU devices: run "
-                         f"`ulorl plan` in a fresh process, or set XLA_FLAGS={flag}={n})")
+                         f"devices (jax started before `{command}` could ask for {n} fake CPU devices: run "
+                         f"`{command}` in a fresh process, or set XLA_FLAGS={flag}={n})")
 
 
 # ---------------------------------------------------------------------------
@@ -493,7 +494,7 @@ def format_lowered(r: dict) -> str:
 def _cli(args) -> int:
     if args.devices < 1:
         raise ValueError(f"--devices={args.devices} must be >= 1")
-    _ensure_devices(args.devices)
+    ensure_devices(args.devices)
     from ulorl_jax.config import load_config
 
     cfg = load_config(args.config, args.overrides)

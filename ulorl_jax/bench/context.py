@@ -19,7 +19,6 @@ random Qwen3: median step time and XLA's compiled temporaries per device.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -38,13 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--skip-learner", action="store_true", help="the balance table only")
     parser.add_argument("--json", action="store_true", help="also print the result as one JSON line (last line)")
     return parser
-
-
-def _ensure_devices(n: int) -> None:
-    flag = "--xla_force_host_platform_device_count"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={n}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _median_s(fn, iters: int) -> float:
@@ -140,12 +132,9 @@ def learner_comparison(args) -> list[dict]:
 
 
 def run(args) -> dict:
-    _ensure_devices(max(args.devices, 1))
-    import jax
+    from ulorl_jax.plan import ensure_devices
 
-    if jax.device_count() < args.devices:
-        raise SystemExit(f"ulorl bench context: --devices={args.devices} but jax has {jax.device_count()} (set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices} in a fresh process)")
+    ensure_devices(max(args.devices, 1), "ulorl bench context")
     result = {"machine": harness.machine_info(), "balance_len": args.balance_len, "balance": balance(args)}
     if not args.skip_learner:
         result["learner"] = learner_comparison(args)
